@@ -1,0 +1,85 @@
+"""The exceptions asynccache raises.
+
+Every exception that crosses the public API derives from :class:`CacheError`, so
+``except ac.CacheError`` is enough. Foreign exceptions (redis-py's, aiomcache's,
+pickle's, OS errors) are translated at the boundary with ``raise ... from exc``:
+redis-py's ``ConnectionError``/``TimeoutError`` shadow the builtins and never escape.
+
+    CacheError
+    ├── ConfigError            a setting the user must fix
+    │   ├── InvalidURL         connect() could not parse the URL
+    │   ├── KeyTooLong         namespace + key longer than the store accepts
+    │   └── MissingDependency  an optional package (torch, zstandard, ...) is needed
+    ├── EncodeError            the value cannot be serialised (unpicklable, too large)
+    │   └── ValueTooLarge      larger than the store allows and chunking is off
+    ├── DecodeError            bytes under a key are not a value asynccache wrote
+    ├── StoreError             the store failed: the core turns these into misses
+    │   ├── StoreUnavailable   connection refused / reset / closed
+    │   └── StoreTimeout       no answer within the configured timeout
+    └── LoopError              the sync API was called from its own loop thread
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CacheError",
+    "ConfigError",
+    "DecodeError",
+    "EncodeError",
+    "InvalidURL",
+    "KeyTooLong",
+    "LoopError",
+    "MissingDependency",
+    "StoreError",
+    "StoreTimeout",
+    "StoreUnavailable",
+    "ValueTooLarge",
+]
+
+
+class CacheError(Exception):
+    """Root of every error asynccache raises."""
+
+
+class ConfigError(CacheError, ValueError):
+    """A configuration problem that the user has to fix."""
+
+
+class InvalidURL(ConfigError):
+    """``connect()`` was given a URL it cannot use."""
+
+
+class KeyTooLong(ConfigError):
+    """A namespace or key is longer than the store accepts."""
+
+
+class MissingDependency(ConfigError, ImportError):
+    """An optional dependency is needed for the requested feature."""
+
+
+class EncodeError(CacheError):
+    """A value could not be serialised for the store."""
+
+
+class ValueTooLarge(EncodeError):
+    """A serialised value is larger than the store accepts."""
+
+
+class DecodeError(CacheError):
+    """Bytes in the store are not a value written by asynccache (or are damaged)."""
+
+
+class StoreError(CacheError):
+    """The store failed to answer; in fallback mode this becomes a miss."""
+
+
+class StoreUnavailable(StoreError, ConnectionError):
+    """The store could not be reached, or the connection broke."""
+
+
+class StoreTimeout(StoreError, TimeoutError):
+    """The store did not answer within the configured timeout."""
+
+
+class LoopError(CacheError, RuntimeError):
+    """The synchronous API was called from inside asynccache's own loop thread."""
