@@ -21,7 +21,7 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from .clients import BaseClient, MemcachedClient, MemoryClient, RedisClient, RedisClusterClient
-from .errors import InvalidURL
+from .errors import ConfigError, InvalidURL
 
 __all__ = ["connect"]
 
@@ -90,6 +90,16 @@ def _split_netloc(netloc: str) -> tuple[str | None, str | None, str]:
 
 def connect(url: str, **options: Any) -> BaseClient[Any]:
     """Build a client for ``url``; see the module docstring for the accepted forms."""
+    try:
+        return _connect(url, options)
+    except TypeError as exc:  # an unknown keyword option
+        raise ConfigError(
+            f"connect({_mask(url)!r}): {exc}; options are timeout, connect_timeout, "
+            "max_batch, max_connections and, for memcached, item_size"
+        ) from None
+
+
+def _connect(url: str, options: dict[str, Any]) -> BaseClient[Any]:
     if not isinstance(url, str) or "://" not in url:
         raise InvalidURL(f"not a store URL: {url!r}; accepted forms: {ACCEPTED}")
     scheme, _, rest = url.partition("://")

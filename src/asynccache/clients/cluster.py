@@ -76,7 +76,8 @@ class RedisClusterClient(BaseClient[_ClusterState]):
             return await self._bounded(coro, where)
         except StoreError:
             raise
-        except (rexc.RedisError, OSError, EOFError) as exc:
+        except (rexc.RedisError, OSError, EOFError, RuntimeError) as exc:
+            # RuntimeError: uvloop's "handler is closed" when writing to a reset socket
             raise translate_redis_error(exc, where) from exc
 
     async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:

@@ -148,7 +148,8 @@ class MemcachedClient(BaseClient[_MemcachedState]):
                 ) from exc
             await node.replace_pool()
             raise StoreError(f"memcached {node.host}:{node.port} {what} failed: {exc}") from exc
-        except (OSError, EOFError, asyncio.IncompleteReadError) as exc:
+        except (OSError, EOFError, asyncio.IncompleteReadError, RuntimeError) as exc:
+            # RuntimeError: uvloop's "handler is closed" when writing to a reset socket
             await node.replace_pool()
             raise StoreUnavailable(
                 f"memcached {node.host}:{node.port} connection failed during {what}: {exc!r}"

@@ -30,7 +30,7 @@ def translate_redis_error(exc: BaseException, where: str) -> StoreError:
         return StoreUnavailable(
             f"redis refused the credentials during {where}: {exc}; check user/password in the URL"
         )
-    if isinstance(exc, rexc.ConnectionError | OSError | EOFError):
+    if isinstance(exc, rexc.ConnectionError | OSError | EOFError | RuntimeError):
         return StoreUnavailable(f"redis connection failed during {where}: {exc}")
     return StoreError(f"redis error during {where}: {type(exc).__name__}: {exc}")
 
@@ -104,7 +104,7 @@ class RedisClient(BaseClient[_RedisState]):
             timeout=self.timeout,
             **self._connection_kwargs(),
         )
-        return _RedisState(aioredis.Redis(connection_pool=pool, auto_close_connection_pool=False))
+        return _RedisState(aioredis.Redis(connection_pool=pool))
 
     async def _close_state(self, state: _RedisState) -> None:
         await state.redis.aclose()
@@ -115,7 +115,8 @@ class RedisClient(BaseClient[_RedisState]):
             return await self._bounded(coro, where)
         except StoreError:
             raise
-        except (rexc.RedisError, OSError, EOFError) as exc:
+        except (rexc.RedisError, OSError, EOFError, RuntimeError) as exc:
+            # RuntimeError: uvloop's "handler is closed" when writing to a reset socket
             raise translate_redis_error(exc, where) from exc
 
     async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
