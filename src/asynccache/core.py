@@ -154,15 +154,17 @@ class AsyncKVCache:
         return state
 
     async def __aenter__(self) -> AsyncKVCache:
+        self.client.retain()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Flush pending writes and close this loop's connections."""
+        """Flush pending writes and release the client; its connections in this loop
+        close when no other cache or pipe still uses them."""
         await self.flush()
-        await self.client.close()
+        await self.client.release()
 
     # -- keys -------------------------------------------------------------------------
     def key(self, key: Key) -> bytes:

@@ -77,6 +77,7 @@ class _Runtime:
         self.writes: dict[bytes, bytes] = {}
         self.write_scheduled = False
         self.computed = 0
+        self.loop.call_soon(self.cache.client.retain)
 
     def queue_writes(self, entries: dict[bytes, bytes]) -> None:
         with self.lock:
@@ -92,9 +93,14 @@ class _Runtime:
         if entries:
             self.cache.write_behind(entries)
 
-    async def _flush(self) -> None:
+    async def finish(self, close: bool) -> None:
+        """Write what is queued; with ``close``, also close this loop's connections."""
         self._hand_over()
+        if close:
+            await self.prefetcher.cancel_pending()
         await self.cache.flush()
+        if close:
+            await self.cache.client.release()
 
 
 class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
@@ -218,22 +224,28 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
 
     def flush(self, timeout: float = CLOSE_TIMEOUT) -> None:
         """Wait until pending write-behind entries are in the store (bounded)."""
-        rt = self._rt
+        self._finish(self._rt, close=False, timeout=timeout)
+
+    def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Flush pending writes, then close this process's connections (bounded).
+
+        The client stays usable (it reconnects lazily), and so does the pipe.
+        """
+        rt, self._rt = self._rt, None
+        self._finish(rt, close=True, timeout=timeout)
+
+    def _finish(self, rt: _Runtime | None, *, close: bool, timeout: float) -> None:
         if rt is None or rt.pid != os.getpid() or rt.loop.closed:
             return
         try:
-            rt.loop.call(rt._flush(), timeout)
+            rt.loop.call(rt.finish(close), timeout)
         except (TimeoutError, StoreError) as exc:
             rt.cache.count("writes_dropped", len(rt.writes))
             rt.cache._failures.report("flush", exc, self.client.safe_url)
 
-    def close(self) -> None:
-        """Flush pending writes (bounded by CLOSE_TIMEOUT) and release the runtime."""
-        self.flush()
-        self._rt = None
-
     def _on_loop_shutdown(self) -> None:
-        self.flush()
+        rt, self._rt = self._rt, None
+        self._finish(rt, close=True, timeout=CLOSE_TIMEOUT)
 
     def __enter__(self) -> AsyncKVCacheMapDataPipe:
         return self

@@ -84,7 +84,11 @@ class LoopThread:
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Schedule ``coro`` on the loop; cancel the returned future to cancel it."""
-        self._check_caller()
+        try:
+            self._check_caller()
+        except LoopError:
+            coro.close()  # never scheduled: close it so it is not reported as un-awaited
+            raise
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:

@@ -13,6 +13,7 @@ at most one window of reads: results for indices the consumer skipped are droppe
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +44,7 @@ class Prefetcher:
         self.ready: dict[int, Any] = {}        # index -> value (MISSING: store miss)
         self.inflight: set[int] = set()
         self.error: BaseException | None = None
+        self.tasks: set[asyncio.Task[Any]] = set()  # loop thread only; strong refs
         self.plan: Sequence[int] = ()
         self.pos = 0                           # plan position of the next expected index
         self.requested = 0                     # plan positions below this were requested
@@ -98,7 +100,16 @@ class Prefetcher:
     def _start_fetch(self, indices: list[int], generation: int) -> None:
         keys = [self.key_of(i) for i in indices]
         task = self.loop.loop.create_task(self.cache.fetch(keys))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
         task.add_done_callback(lambda t: self._fetched(indices, generation, t))
+
+    async def cancel_pending(self) -> None:
+        """Cancel read-ahead still in flight and wait for it (loop thread)."""
+        tasks = list(self.tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _fetched(self, indices: list[int], generation: int, task: Any) -> None:
         if task.cancelled():
@@ -122,7 +133,7 @@ class Prefetcher:
         with self.cond:
             on_plan = self._advance(index)
             if not on_plan and self.window:
-                self._follow_access(index)
+                on_plan = self._follow_access(index)
             self.last_index = index
             value = self._wait_ready(index)
             if on_plan:
@@ -176,14 +187,19 @@ class Prefetcher:
         self.counts["stall_us"] += int((time.perf_counter() - started) * 1e6)
         return self.ready.pop(index)
 
-    def _follow_access(self, index: int) -> None:
-        """Off-plan access: switch to sequential read-ahead after two in a row (lock held)."""
+    def _follow_access(self, index: int) -> bool:
+        """Off-plan access: switch to sequential read-ahead after two in a row (lock held).
+
+        Returns True when a new plan starts (so the caller requests its first window).
+        """
         if index == self.last_index + 1 and index + 1 < self.length:
             self.generation += 1
             self.ready.clear()
             self.inflight.clear()
             self.plan, self.pos, self.requested = range(index + 1, self.length), 0, 0
             self.sequential = True
+            return True
+        return False
 
     def _drop_passed(self) -> None:
         """Forget ready values the consumer has skipped, so the buffer stays bounded."""

@@ -66,6 +66,9 @@ class BaseClient(ABC, Generic[StateT]):
         self._states: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, StateT] = (
             weakref.WeakKeyDictionary()
         )
+        self._users: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, int] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def _state(self) -> StateT:
         """The connection state for the running loop, created on first use."""
@@ -96,6 +99,29 @@ class BaseClient(ABC, Generic[StateT]):
         if state is not None:
             await self._close_state(state)
 
+    def retain(self) -> None:
+        """Count one more user of this loop's connections (call from inside the loop).
+
+        Caches and pipes sharing one client in one loop retain it, and :meth:`release`
+        it when done: the connections close when the last user leaves, never under a
+        user that still has requests in flight.
+        """
+        loop = asyncio.get_running_loop()
+        self._users[loop] = self._users.get(loop, 0) + 1
+
+    async def release(self) -> None:
+        """One user fewer; close this loop's connections when none is left."""
+        if self._pid != os.getpid():
+            self._init_runtime()
+            return
+        loop = asyncio.get_running_loop()
+        users = self._users.get(loop, 0) - 1
+        if users > 0:
+            self._users[loop] = users
+            return
+        self._users.pop(loop, None)
+        await self.close()
+
     async def _bounded(self, awaitable: Awaitable[T], what: str) -> T:
         """Await with the client's timeout, translating the timeout to StoreTimeout."""
         try:
@@ -110,6 +136,7 @@ class BaseClient(ABC, Generic[StateT]):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state.pop("_states", None)
+        state.pop("_users", None)
         state.pop("_pid", None)
         return state
 

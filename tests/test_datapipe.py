@@ -1,0 +1,256 @@
+"""AsyncKVCacheMapDataPipe against a real Redis: correctness, prefetch, write-behind."""
+
+from __future__ import annotations
+
+import pickle
+import random
+import threading
+
+import pytest
+import torch
+from torch.utils.data import MapDataPipe
+from torch.utils.data.datapipes.map import SequenceWrapper
+
+import asynccache as ac
+from asynccache import servers
+from asynccache.loop import get_loop_thread
+
+
+class CountingSource:
+    """A map-style source that records which indices it computed."""
+
+    def __init__(self, n: int, none_every: int = 0) -> None:
+        self.n = n
+        self.none_every = none_every
+        self.calls: list[int] = []
+        self.lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"n": self.n, "none_every": self.none_every}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
+    def __getitem__(self, index: int) -> object:
+        if not 0 <= index < self.n:
+            raise IndexError(index)
+        with self.lock:
+            self.calls.append(index)
+        if self.none_every and index % self.none_every == 0:
+            return None
+        return {"index": index, "square": index * index, "t": torch.full((4,), float(index))}
+
+
+def same(a: object, b: object) -> bool:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a == b and type(a) is type(b)
+
+
+@pytest.fixture(params=["redis", "memcached"])
+def pipe_url(request: pytest.FixtureRequest) -> str:
+    return request.getfixturevalue(f"{request.param}_server").url
+
+
+def test_values_equal_source_and_second_pipe_computes_nothing(pipe_url: str,
+                                                              namespace: str) -> None:
+    source = CountingSource(300, none_every=7)
+    with ac.AsyncKVCacheMapDataPipe(source, ac.connect(pipe_url), namespace=namespace) as dp:
+        assert len(dp) == 300
+        first = [dp[i] for i in range(300)]
+        assert sorted(source.calls) == list(range(300))
+        assert dp.stats()["misses"] == 300 and dp.stats()["computed"] == 300
+    source2 = CountingSource(300, none_every=7)
+    with ac.AsyncKVCacheMapDataPipe(source2, ac.connect(pipe_url), namespace=namespace) as dp2:
+        second = [dp2[i] for i in range(300)]
+        stats = dp2.stats()
+    assert source2.calls == []  # cached None values included
+    assert all(same(a, source2[i]) for i, a in enumerate(first))
+    assert all(same(a, b) for a, b in zip(first, second))
+    assert stats["hits"] == 300 and stats["misses"] == 0
+    assert first[0] is None and second[0] is None
+
+
+def fill(url: str, namespace: str, n: int) -> None:
+    with ac.AsyncKVCacheMapDataPipe(CountingSource(n), ac.connect(url),
+                                    namespace=namespace) as dp:
+        dp.__getitems__(list(range(n)))
+
+
+def test_iteration_prefetches_in_order(redis_server: servers.RedisServer, namespace: str) -> None:
+    fill(redis_server.url, namespace, 1000)
+    source = CountingSource(1000)
+    with ac.AsyncKVCacheMapDataPipe(source, ac.connect(redis_server.url), prefetch=64,
+                                    namespace=namespace) as dp:
+        values = list(dp)
+        stats = dp.stats()
+    assert [v["index"] for v in values] == list(range(1000))
+    assert source.calls == []
+    # every item was requested ahead: ready on arrival, or in flight (a stall)
+    assert stats["prefetch_hits"] + stats["stalls"] == 1000 and stats["direct_reads"] == 0
+    assert stats["prefetch_hits"] > 500
+    assert stats["batches"] <= 1000 // 16 + 2  # batched, not one request per item
+
+
+def test_explicit_order_is_followed(redis_server: servers.RedisServer, namespace: str) -> None:
+    fill(redis_server.url, namespace, 500)
+    order = list(range(500))
+    random.Random(3).shuffle(order)
+    with ac.AsyncKVCacheMapDataPipe(CountingSource(500), ac.connect(redis_server.url),
+                                    namespace=namespace, order=order) as dp:
+        got = [dp[i]["index"] for i in order]
+        stats = dp.stats()
+    assert got == order
+    assert stats["prefetch_hits"] + stats["stalls"] >= 495 and stats["direct_reads"] <= 2
+
+
+def test_sequential_access_is_detected(redis_server: servers.RedisServer, namespace: str) -> None:
+    fill(redis_server.url, namespace, 600)
+    with ac.AsyncKVCacheMapDataPipe(CountingSource(600), ac.connect(redis_server.url),
+                                    namespace=namespace) as dp:
+        assert [dp[i]["index"] for i in range(100, 600)] == list(range(100, 600))
+        stats = dp.stats()
+    assert stats["direct_reads"] <= 2 and stats["prefetch_hits"] + stats["stalls"] >= 495
+
+
+def test_random_access_and_wrong_guesses_stay_correct(redis_server: servers.RedisServer,
+                                                      namespace: str) -> None:
+    fill(redis_server.url, namespace, 400)
+    rng = random.Random(5)
+    order = list(range(400))
+    with ac.AsyncKVCacheMapDataPipe(CountingSource(400), ac.connect(redis_server.url),
+                                    namespace=namespace, order=order) as dp:
+        for _ in range(300):  # the plan says 0..399, we read elsewhere
+            i = rng.randrange(400)
+            assert dp[i]["index"] == i
+        assert dp[-1]["index"] == 399
+        with pytest.raises(IndexError):
+            dp[400]
+        stats = dp.stats()
+    assert stats["prefetch_wasted"] + stats["prefetch_hits"] <= 400 + 64
+
+
+def test_getitems_is_one_batched_read(redis_server: servers.RedisServer, namespace: str) -> None:
+    fill(redis_server.url, namespace, 256)
+    with ac.AsyncKVCacheMapDataPipe(CountingSource(256), ac.connect(redis_server.url),
+                                    prefetch=0, namespace=namespace) as dp:
+        batch = [5, 200, 7, 7, 100]
+        got = dp.__getitems__(batch)
+        assert [g["index"] for g in got] == batch
+        assert dp.stats()["batches"] == 1
+
+
+def test_close_flushes_pending_writes(redis_server: servers.RedisServer, namespace: str) -> None:
+    dp = ac.AsyncKVCacheMapDataPipe(CountingSource(2000), ac.connect(redis_server.url),
+                                    prefetch=0, namespace=namespace)
+    dp.__getitems__(list(range(2000)))
+    dp.close()
+    source = CountingSource(2000)
+    with ac.AsyncKVCacheMapDataPipe(source, ac.connect(redis_server.url), prefetch=0,
+                                    namespace=namespace) as dp2:
+        dp2.__getitems__(list(range(2000)))
+    assert source.calls == []
+
+
+def test_namespaces_and_keys(redis_server: servers.RedisServer, namespace: str) -> None:
+    client = ac.connect(redis_server.url)
+    a = ac.AsyncKVCacheMapDataPipe(SequenceWrapper(["a"] * 10), client, namespace=namespace + "a")
+    b = ac.AsyncKVCacheMapDataPipe(SequenceWrapper(["b"] * 10), client, namespace=namespace + "b")
+    assert a.key_for(3) == f"ac:{namespace}a:3".encode()
+    assert [a[i] for i in range(10)] == ["a"] * 10
+    a.flush()
+    assert [b[i] for i in range(10)] == ["b"] * 10
+    a.close()
+    b.close()
+
+
+def double(x: int) -> int:
+    return 2 * x
+
+
+def triple(x: int) -> int:
+    return 3 * x
+
+
+def test_derived_namespace_is_deterministic_and_distinct() -> None:
+    client = ac.connect("memory://derive")
+    d1 = SequenceWrapper(list(range(10))).map(double).async_kv_cache(client)
+    d2 = SequenceWrapper(list(range(10))).map(double).async_kv_cache(client)
+    d3 = SequenceWrapper(list(range(10))).map(triple).async_kv_cache(client)
+    d4 = SequenceWrapper(list(range(11))).map(double).async_kv_cache(client)
+    assert d1.namespace == d2.namespace == pickle.loads(pickle.dumps(d1)).namespace
+    assert len({d1.namespace, d3.namespace, d4.namespace}) == 3
+    assert d1.namespace.startswith("auto-")
+
+
+def test_functional_form_and_chaining(redis_server: servers.RedisServer, namespace: str) -> None:
+    dp = SequenceWrapper(list(range(20))).map(double).async_kv_cache(
+        ac.connect(redis_server.url), prefetch=8, namespace=namespace)
+    assert isinstance(dp, ac.AsyncKVCacheMapDataPipe) and isinstance(dp, MapDataPipe)
+    chained = dp.map(triple)
+    assert [chained[i] for i in range(20)] == [6 * i for i in range(20)]
+    dp.close()
+
+
+def test_pickle_carries_configuration_only(redis_server: servers.RedisServer,
+                                           namespace: str) -> None:
+    dp = ac.AsyncKVCacheMapDataPipe(CountingSource(50), ac.connect(redis_server.url),
+                                    namespace=namespace)
+    assert dp[0]["index"] == 0  # runtime (loop thread, connections) now exists
+    blob = pickle.dumps(dp)
+    assert b"Condition" not in blob and len(blob) < 4096
+    clone = pickle.loads(blob)
+    assert clone[1]["index"] == 1
+    dp.close()
+    clone.close()
+
+
+def test_sync_api_from_loop_thread_raises(redis_server: servers.RedisServer,
+                                          namespace: str) -> None:
+    dp = ac.AsyncKVCacheMapDataPipe(CountingSource(10), ac.connect(redis_server.url),
+                                    prefetch=0, namespace=namespace)
+    dp[0]
+    loop = get_loop_thread()
+    result: dict[str, BaseException] = {}
+
+    def from_loop() -> None:
+        try:
+            dp[1]
+        except BaseException as exc:
+            result["exc"] = exc
+
+    loop.call(_run_in_loop(from_loop), timeout=5)
+    assert isinstance(result["exc"], ac.LoopError)
+    dp.close()
+
+
+async def _run_in_loop(fn) -> None:  # type: ignore[no-untyped-def]
+    fn()
+
+
+def test_dead_store_still_serves_the_source(namespace: str) -> None:
+    port = servers.free_port()
+    source = CountingSource(500)
+    with ac.AsyncKVCacheMapDataPipe(source, ac.connect(f"redis://127.0.0.1:{port}/0",
+                                                       timeout=0.2),
+                                    namespace=namespace) as dp:
+        values = [dp[i] for i in range(500)]
+        stats = dp.stats()
+    assert [v["index"] for v in values] == list(range(500))
+    assert stats["errors"] >= 1 and stats["unavailable"] >= 1
+    assert stats["errors"] <= 10  # back-off: not one failure per item
+
+
+def test_bad_arguments() -> None:
+    client = ac.connect("memory://")
+    with pytest.raises(ac.ConfigError, match="map-style"):
+        ac.AsyncKVCacheMapDataPipe(iter([1, 2]), client)
+    with pytest.raises(ac.ConfigError, match="prefetch"):
+        ac.AsyncKVCacheMapDataPipe([1, 2], client, prefetch=-1)
+    with pytest.raises(ac.ConfigError, match="asynccache.connect"):
+        ac.AsyncKVCacheMapDataPipe([1, 2], "redis://localhost")  # type: ignore[arg-type]
