@@ -100,11 +100,3 @@ async def client(store_url: str) -> AsyncIterator[ac.BaseClient]:
     yield c
     await c.close()
 
-
-@pytest.fixture(autouse=True)
-def _collect_garbage() -> Iterator[None]:
-    """Collect after each test so a leaked connection is reported against its own test."""
-    yield
-    import gc
-
-    gc.collect()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import pickle
 import random
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -14,6 +16,13 @@ from torch.utils.data.datapipes.map import SequenceWrapper
 import asynccache as ac
 from asynccache import servers
 from asynccache.loop import get_loop_thread
+
+
+@pytest.fixture(autouse=True)
+def _collect_garbage() -> Iterator[None]:
+    """Collect after each test so a leaked connection is reported against its own test."""
+    yield
+    gc.collect()
 
 
 class CountingSource:
@@ -252,5 +261,5 @@ def test_bad_arguments() -> None:
         ac.AsyncKVCacheMapDataPipe(iter([1, 2]), client)
     with pytest.raises(ac.ConfigError, match="prefetch"):
         ac.AsyncKVCacheMapDataPipe([1, 2], client, prefetch=-1)
-    with pytest.raises(ac.ConfigError, match="asynccache.connect"):
+    with pytest.raises(ac.ConfigError, match=r"asynccache\.connect"):
         ac.AsyncKVCacheMapDataPipe([1, 2], "redis://localhost")  # type: ignore[arg-type]

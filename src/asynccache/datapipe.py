@@ -24,6 +24,7 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from ._fork import park_inherited
 from .clients.base import BaseClient
 from .codec import Codec
 from .core import MISSING, AsyncKVCache, OnError
@@ -145,6 +146,8 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
     def _runtime(self) -> _Runtime:
         rt = self._rt
         if rt is None or rt.pid != os.getpid():
+            if rt is not None:
+                park_inherited(rt)  # the parent's prefetcher, tasks and locks
             rt = self._rt = _Runtime(self)
             rt.loop.add_shutdown_hook(self)
             if self.order is not None:
@@ -192,14 +195,28 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         values = rt.prefetcher.take_many(indices)
         missing = {i: None for i, v in zip(indices, values) if v is MISSING}
         if missing:
-            computed = self._compute(missing, rt)
+            computed = self._compute(missing, rt, wait=True)
             values = [computed[i] if v is MISSING else v for i, v in zip(indices, values)]
         return values
 
-    def _compute(self, indices: dict[int, None], rt: _Runtime) -> dict[int, Any]:
-        computed = {i: self.source[i] for i in indices}
-        rt.computed += len(computed)
-        rt.queue_writes(rt.cache.encode_entries({self.key_for(i): v for i, v in computed.items()}))
+    def _compute(self, indices: dict[int, None], rt: _Runtime,
+                 wait: bool = False) -> dict[int, Any]:
+        """Compute misses in this thread; each result is queued for writing at once.
+
+        With ``wait`` (whole batches, as the DataLoader asks for them) the call returns
+        once the batch's writes are acknowledged: they overlap with computing the rest
+        of the batch, so what remains is about one round trip for the last item — and a
+        worker that hands back a batch has made it visible to every other worker. That
+        is what makes epoch 2 compute nothing even with persistent workers. Single
+        ``dp[i]`` reads only queue (write-behind); ``close()``/``flush()`` wait.
+        """
+        computed: dict[int, Any] = {}
+        for index in indices:
+            value = computed[index] = self.source[index]
+            rt.computed += 1
+            rt.queue_writes(rt.cache.encode_entries({self.key_for(index): value}))
+        if wait:
+            self._finish(rt, close=False, timeout=max(self.client.timeout * 2, 1.0))
         return computed
 
     def __iter__(self) -> Iterator[Any]:

@@ -27,6 +27,7 @@ import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from ._fork import park_inherited
 from .errors import LoopError
 
 __all__ = ["LoopThread", "get_loop_thread"]
@@ -55,6 +56,7 @@ class LoopThread:
         self.loop = _new_event_loop()
         self._hooks: weakref.WeakSet[Any] = weakref.WeakSet()
         self._ready = threading.Event()
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -110,14 +112,15 @@ class LoopThread:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Run shutdown hooks, cancel what is left, stop and join the thread."""
-        if self.closed or self.pid != os.getpid():
+        if self.closed or self._stopping or self.pid != os.getpid():
             return
-        self.closed = True
+        self._stopping = True  # hooks may still use the loop; new users get a new one
         for owner in list(self._hooks):
             try:
                 owner._on_loop_shutdown()
             except Exception:  # a failing hook must not keep the others from running
                 logger.exception("asynccache: shutdown hook of %r failed", owner)
+        self.closed = True
         if not self._thread.is_alive():
             return
         try:
@@ -145,6 +148,8 @@ def get_loop_thread() -> LoopThread:
     with _lock:
         current = _current
         if current is None or current.pid != os.getpid() or current.closed:
+            if current is not None and current.pid != os.getpid():
+                park_inherited(current)  # the parent's loop: never run, close or free it here
             current = _current = LoopThread()
             multiprocessing.util.Finalize(current, _shutdown, exitpriority=100)
     return current

@@ -179,7 +179,7 @@ class Prefetcher:
         deadline = started + self.wait_timeout
         while index not in self.ready:
             remaining = deadline - time.perf_counter()
-            if remaining <= 0 or index not in self.inflight and index not in self.ready:
+            if remaining <= 0 or (index not in self.inflight and index not in self.ready):
                 self.counts["stall_timeouts"] += remaining <= 0
                 self.inflight.discard(index)
                 return MISSING

@@ -22,6 +22,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, ClassVar, Generic, TypeVar
 
+from .._fork import park_inherited
 from ..errors import StoreTimeout
 
 __all__ = ["DEFAULT_CONNECT_TIMEOUT", "DEFAULT_TIMEOUT", "BaseClient"]
@@ -73,6 +74,7 @@ class BaseClient(ABC, Generic[StateT]):
     def _state(self) -> StateT:
         """The connection state for the running loop, created on first use."""
         if self._pid != os.getpid():  # we are in a forked child: inherited sockets are not ours
+            park_inherited((self._states, self._users))
             self._init_runtime()
         loop = asyncio.get_running_loop()
         state = self._states.get(loop)
@@ -92,6 +94,7 @@ class BaseClient(ABC, Generic[StateT]):
     async def close(self) -> None:
         """Close this loop's connections. The client stays usable: it reconnects lazily."""
         if self._pid != os.getpid():
+            park_inherited((self._states, self._users))
             self._init_runtime()
             return
         loop = asyncio.get_running_loop()
@@ -112,6 +115,7 @@ class BaseClient(ABC, Generic[StateT]):
     async def release(self) -> None:
         """One user fewer; close this loop's connections when none is left."""
         if self._pid != os.getpid():
+            park_inherited((self._states, self._users))
             self._init_runtime()
             return
         loop = asyncio.get_running_loop()
