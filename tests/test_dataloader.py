@@ -109,3 +109,20 @@ def check_two_epochs(dp: ac.AsyncKVCacheMapDataPipe, log: Path, n: int, workers:
     seen2, _ = run_epoch(dp, workers, method, persistent, loader if persistent else None)
     assert sorted(seen2) == list(range(n))
     assert computed(log) == first, "epoch 2 recomputed items that epoch 1 cached"
+
+
+def test_dataloader_reads_whole_batches(redis_server: servers.RedisServer, namespace: str,
+                                        tmp_path: Path) -> None:
+    """DataLoader wraps MapDataPipes; batches must still reach __getitems__ (one request)."""
+    dp = ac.AsyncKVCacheMapDataPipe(FileCountedSource(256, tmp_path / "log"),
+                                    ac.connect(redis_server.url), prefetch=0,
+                                    namespace=namespace)
+    try:
+        loader = DataLoader(dp, batch_size=32, shuffle=True, collate_fn=list_collate)
+        assert sum(len(b) for b in loader) == 256
+        assert sum(len(b) for b in loader) == 256
+        stats = dp.stats()
+    finally:
+        dp.close()
+    assert stats["batches"] == 16  # 8 batches per epoch, one multi-get each
+    assert stats["hits"] == 256 and stats["misses"] == 256

@@ -183,7 +183,7 @@ def _reduce_tensor(t: Any, torch: Any) -> Any:
     """Reduce a plain CPU tensor to (dtype, shape, PickleBuffer of its bytes).
 
     Returns NotImplemented (torch's own pickling) for anything whose meaning is more than
-    its values: autograd state, subclasses, names, sparse/quantized/nested/non-CPU tensors.
+    its values: autograd state, subclasses, sparse/quantized/nested/non-CPU tensors.
     """
     if (
         t.requires_grad
@@ -191,7 +191,6 @@ def _reduce_tensor(t: Any, torch: Any) -> Any:
         or t.device.type != "cpu"
         or t.is_quantized
         or t.is_nested
-        or t.has_names()
     ):
         return NotImplemented
     flat = t.resolve_conj().resolve_neg().contiguous().reshape(-1)

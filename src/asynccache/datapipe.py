@@ -282,4 +282,30 @@ def _register_functional_form() -> None:
     _functional_datapipe("async_kv_cache")(AsyncKVCacheMapDataPipe)
 
 
+def _forward_getitems_through_dataloader_wrapper() -> None:
+    """Let torch's DataLoader reach ``__getitems__`` of a wrapped MapDataPipe.
+
+    ``DataLoader.__init__`` wraps every ``MapDataPipe`` in
+    ``_MapDataPipeSerializationWrapper``, which defines only ``__getitem__``; the
+    fetcher then reads a batch one item (one store round trip) at a time. We add the
+    missing method: it forwards to the wrapped pipe's ``__getitems__`` when it has one,
+    and otherwise does exactly what the fetcher does without it.
+    """
+    try:
+        from torch.utils.data.datapipes.datapipe import _MapDataPipeSerializationWrapper
+    except ImportError:  # pragma: no cover - a torch without the wrapper needs nothing
+        return
+    if "__getitems__" in _MapDataPipeSerializationWrapper.__dict__:
+        return
+
+    def __getitems__(self: Any, indices: Sequence[int]) -> list[Any]:
+        getitems = getattr(type(self._datapipe), "__getitems__", None)
+        if getitems is None:
+            return [self._datapipe[i] for i in indices]
+        return getitems(self._datapipe, indices)
+
+    _MapDataPipeSerializationWrapper.__getitems__ = __getitems__  # type: ignore[attr-defined]
+
+
 _register_functional_form()
+_forward_getitems_through_dataloader_wrapper()
