@@ -1,0 +1,73 @@
+"""The ``asynccache`` command line (also ``python -m asynccache``).
+
+Each command lives in its own module with two functions, ``add_arguments(parser)`` and
+``run(args) -> int``. A module is imported only when its command is chosen, so
+``asynccache --help`` does not pay for numpy, tqdm or a server lookup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from . import __version__
+from .errors import CacheError
+
+__all__ = ["COMMANDS", "main"]
+
+#: command name -> (module, one-line summary shown by ``asynccache --help``)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": (
+        "asynccache.demo",
+        "cold and warm DataLoader epochs without a cache, with a per-worker dict "
+        "and with async_kv_cache on a private Redis-compatible server",
+    ),
+}
+
+EXIT_ERROR = 1
+EXIT_INTERRUPTED = 130  # the shell's code for SIGINT
+
+
+def _chosen_command(argv: Sequence[str]) -> str | None:
+    """The first positional argument (the top-level parser has no valued options)."""
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg
+    return None
+
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The parser; only the command named in ``argv`` gets its module imported."""
+    parser = argparse.ArgumentParser(
+        prog="asynccache",
+        description="asynccache: a shared key-value cache with batched prefetching "
+        "for PyTorch data loading.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    chosen = _chosen_command(argv)
+    for name, (module_name, summary) in COMMANDS.items():
+        sub = commands.add_parser(name, help=summary, description=summary)
+        if name == chosen:
+            importlib.import_module(module_name).add_arguments(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
+    module = importlib.import_module(COMMANDS[args.command][0])
+    try:
+        return int(module.run(args))
+    except KeyboardInterrupt:
+        print(f"asynccache {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except CacheError as exc:
+        print(f"asynccache {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())
