@@ -194,7 +194,16 @@ def test_numpy_layouts_roundtrip(make: Any) -> None:
     assert out.flags.writeable
 
 
-def test_readonly_numpy_array_decodes_writable() -> None:
+@pytest.fixture(params=["torch-imported", "numpy-only"])
+def pickle_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test through both encode paths: plain pickle.dumps when torch is not imported,
+    the tensor-aware pickler when it is (asynccache itself imports torch when installed)."""
+    if request.param == "numpy-only":
+        monkeypatch.delitem(sys.modules, "torch")
+    return str(request.param)
+
+
+def test_readonly_numpy_array_decodes_writable(pickle_path: str) -> None:
     arr = np.arange(100.0)
     arr.flags.writeable = False
     out = DEFAULT_CODEC.decode(DEFAULT_CODEC.encode(arr))
@@ -204,7 +213,7 @@ def test_readonly_numpy_array_decodes_writable() -> None:
 
 
 @pytest.mark.parametrize("codec", [Codec(), Codec(compression="zstd", compress_threshold=0)])
-def test_numpy_encode_is_out_of_band(codec: Codec) -> None:
+def test_numpy_encode_is_out_of_band(codec: Codec, pickle_path: str) -> None:
     """The array bytes are not in the pickle stream: blob ~ nbytes + small overhead."""
     arr = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)  # incompressible
     blob = codec.encode(arr)
@@ -223,7 +232,7 @@ def _root(arr: np.ndarray) -> object:
     return base
 
 
-def test_decoded_buffers_share_one_copy_not_the_input() -> None:
+def test_decoded_buffers_share_one_copy_not_the_input(pickle_path: str) -> None:
     value = {"a": np.arange(1000.0), "b": np.ones(500, dtype=np.int32)}
     blob = bytearray(DEFAULT_CODEC.encode(value))
     out = DEFAULT_CODEC.decode(blob)

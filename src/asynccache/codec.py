@@ -88,6 +88,7 @@ _KNOWN_FLAGS = _COMP_MASK | _F_OOB | _F_MANIFEST | _F_NOCRC
 # crc32 of the (version, flags) header bytes, used as the running crc start value:
 # crc32(payload, _SEEDS[flags]) == crc32(bytes([VERSION, flags]) + payload).
 _SEEDS = tuple(zlib.crc32(bytes([VERSION, f])) for f in range(256))
+_SEED0 = _SEEDS[0]
 
 _OOB_HEAD = struct.Struct("<QI")
 _ALIGN = 16  # enough for every numpy / torch dtype; the allocator gives >= 16
@@ -243,16 +244,20 @@ def _dumps_special(obj: object, protocol: int) -> tuple[bytes, list[Any]]:
     if p is None or p.protocol != protocol:
         p = _Pickler(protocol)
     torch = sys.modules.get("torch")
-    p.torch = torch
-    p.tensor_type = getattr(torch, "Tensor", None)
-    p.ndarray_type = getattr(sys.modules.get("numpy"), "ndarray", None)
+    if p.torch is not torch or p.ndarray_type is None:  # a module was imported since
+        p.torch = torch
+        p.tensor_type = getattr(torch, "Tensor", None)
+        p.ndarray_type = getattr(sys.modules.get("numpy"), "ndarray", None)
     p.dump(obj)
-    stream, bufs = p.file.getvalue(), p.buffers.copy()
-    p.file.seek(0)
-    p.file.truncate()
-    p.buffers.clear()
+    f = p.file
+    stream = f.getvalue()
+    f.seek(0)
+    f.truncate()
+    bufs: list[Any] = []
+    if p.buffers:
+        bufs = p.buffers.copy()
+        p.buffers.clear()
     p.clear_memo()
-    p.torch = p.tensor_type = p.ndarray_type = None
     _local.pickler = p
     return stream, bufs
 
@@ -489,7 +494,7 @@ class Codec:
             if not bufs:  # fast path: header + pickle stream
                 if self._kind is None or len(stream) < self.compress_threshold:
                     if self.checksum:
-                        return _HEADER.pack(_PREFIX, 0, zlib.crc32(stream, _SEEDS[0])) + stream
+                        return _HEADER.pack(_PREFIX, 0, zlib.crc32(stream, _SEED0)) + stream
                     return _HEADER.pack(_PREFIX, _F_NOCRC, 0) + stream
                 return self._finish(0, [stream], len(stream))
             raws = [b.raw() for b in bufs]
@@ -530,6 +535,15 @@ class Codec:
             ) from exc
         if prefix != _PREFIX:
             raise _bad_prefix(prefix)
+        if not flags and type(data) is bytes and len(data) <= _SLICE_MAX:
+            # Hot path (a small cached value, read from the store as bytes).
+            payload = data[HEADER_SIZE:]
+            if zlib.crc32(payload, _SEED0) != crc:
+                raise DecodeError("damaged value: checksum mismatch (corrupt or truncated)")
+            try:
+                return pickle.loads(payload)
+            except Exception as exc:
+                raise DecodeError(f"cannot unpickle value: {type(exc).__name__}: {exc}") from exc
         if flags & ~_KNOWN_FLAGS or flags & _COMP_MASK == _COMP_MASK:
             raise DecodeError(f"unknown flags 0x{flags:02x} (written by a newer asynccache?)")
         if type(data) is bytes and len(data) <= _SLICE_MAX:
