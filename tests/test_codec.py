@@ -730,15 +730,19 @@ scalars = (
     | st.text(max_size=20)
     | st.binary(max_size=40)
 )
-values = st.recursive(
-    scalars,
-    lambda children: (
+
+
+def containers(children: st.SearchStrategy[object]) -> st.SearchStrategy[object]:
+    """Lists, tuples and dicts of ``children`` (a named function: hypothesis inspects
+    whether ``extend`` uses its argument, and its source lookup of lambdas can fail)."""
+    return (
         st.lists(children, max_size=5)
         | st.tuples(children, children)
         | st.dictionaries(st.text(max_size=5) | st.integers(), children, max_size=5)
-    ),
-    max_leaves=25,
-)
+    )
+
+
+values = st.recursive(scalars, containers, max_leaves=25)
 PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
