@@ -61,8 +61,9 @@ def same(a: object, b: object) -> bool:
     return a == b and type(a) is type(b)
 
 
-@pytest.fixture(params=["redis", "memcached"])
+@pytest.fixture(params=["redis", "redis_unix", "valkey", "memcached"])
 def pipe_url(request: pytest.FixtureRequest) -> str:
+    """Redis-protocol stores are read by the consumer-side socket, memcached via the loop."""
     return request.getfixturevalue(f"{request.param}_server").url
 
 

@@ -134,3 +134,53 @@ async def test_killed_server_then_restart(kind: str, namespace: str) -> None:
         await cache.set("after", 2)
         assert await cache.get_many(["after", 1]) == {"after": 2}
         await client.close()
+
+
+def _pipe_source(n: int) -> list[dict[str, int]]:
+    return [{"i": i} for i in range(n)]
+
+
+def test_pipe_read_ahead_falls_back_and_recovers(proxied: tuple[FaultProxy, str],
+                                                 namespace: str) -> None:
+    """Read-ahead (consumer-side socket for Redis, loop thread for memcached) turns a
+    black-holed store into computed values, quickly, and uses the store again after."""
+    proxy, url = proxied
+    source = _pipe_source(300)
+    with ac.AsyncKVCacheMapDataPipe(source, ac.connect(url, timeout=0.3), prefetch=32,
+                                    namespace=namespace) as warm:
+        warm.__getitems__(list(range(300)))
+    dp = ac.AsyncKVCacheMapDataPipe(source, ac.connect(url, timeout=0.3), prefetch=32,
+                                    namespace=namespace)
+    try:
+        assert [dp[i] for i in range(100)] == source[:100]
+        assert dp.stats()["hits"] >= 100
+        proxy.set_blackhole(True)
+        started = time.perf_counter()
+        assert [dp[i] for i in range(100, 200)] == source[100:200]
+        assert time.perf_counter() - started < 3.0  # one timeout, then back-off: no per-item wait
+        stats = dp.stats()
+        assert stats["timeouts"] >= 1 and stats["errors"] <= 3
+        proxy.set_blackhole(False)
+        proxy.reset_all()
+        time.sleep(0.6)
+        before = dp.stats()["hits"]
+        assert [dp[i] for i in range(200, 300)] == source[200:300]
+        assert dp.stats()["hits"] - before >= 90
+    finally:
+        dp.close()
+
+
+def test_pipe_raise_mode_raises(proxied: tuple[FaultProxy, str], namespace: str) -> None:
+    proxy, url = proxied
+    dp = ac.AsyncKVCacheMapDataPipe(_pipe_source(50), ac.connect(url, timeout=0.2),
+                                    prefetch=8, namespace=namespace, on_error="raise")
+    try:
+        assert dp[0] == {"i": 0}
+        proxy.set_blackhole(True)
+        with pytest.raises(ac.StoreTimeout):
+            for i in range(1, 50):
+                dp[i]
+    finally:
+        proxy.set_blackhole(False)
+        proxy.reset_all()
+        dp.close()

@@ -9,11 +9,24 @@ process. So the child parks them here for the rest of its life and builds fresh 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-__all__ = ["park_inherited"]
+__all__ = ["generation", "park_inherited"]
 
 _parked: list[Any] = []
+
+#: Bumped in every forked child: comparing a saved value with it is the per-item
+#: "did we fork?" check (``os.getpid()`` is a system call).
+generation = 0
+
+
+def _forked() -> None:
+    global generation
+    generation += 1
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def park_inherited(obj: Any) -> None:

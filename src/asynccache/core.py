@@ -27,7 +27,7 @@ import asyncio
 import inspect
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 from .clients.base import BaseClient
@@ -190,8 +190,11 @@ class AsyncKVCache:
             self._stats["unavailable"] += 1
         elif isinstance(exc, DecodeError):
             self._stats["decode_errors"] += 1
-        if isinstance(exc, StoreTimeout | StoreUnavailable):
-            self._down_until = time.monotonic() + self._backoff
+        now = time.monotonic()
+        if isinstance(exc, StoreTimeout | StoreUnavailable) and now >= self._down_until:
+            # a new failure, not another request of the same burst: back off, longer
+            # each time a probe after the back-off fails too
+            self._down_until = now + self._backoff
             self._backoff = min(self._backoff * 2, _BACKOFF_MAX)
         if self.on_error == "raise":
             raise exc
@@ -219,19 +222,33 @@ class AsyncKVCache:
         self._stats["batch_time_us"] += int((time.perf_counter() - started) * 1e6)
         return blobs
 
-    async def fetch(self, store_keys: list[bytes]) -> list[Any]:
+    async def fetch(self, store_keys: list[bytes], *, failed_as_none: bool = False
+                    ) -> list[Any] | None:
         """Decoded values for store keys, ``MISSING`` where absent or unusable.
 
         The low-level read used by :meth:`get_many` and the prefetcher: one batched
-        request, chunked values resolved with one more, hits/misses counted.
+        request, chunked values resolved with one more, hits/misses counted. With
+        ``failed_as_none``, a failed (or skipped) request returns None instead of
+        misses, so read-ahead can tell "not there" from "could not ask".
         """
-        n = len(store_keys)
-        self._stats["keys_requested"] += n
         blobs = await self._read_raw(store_keys)
         if blobs is None:
-            self._stats["misses"] += n
-            return [MISSING] * n
-        out: list[Any] = [MISSING] * n
+            if failed_as_none:
+                return None
+            self._stats["keys_requested"] += len(store_keys)
+            self._stats["misses"] += len(store_keys)
+            return [MISSING] * len(store_keys)
+        self._stats["keys_requested"] += len(store_keys)
+        out, manifests = self.decode_blobs(store_keys, blobs)
+        if manifests:
+            await self._resolve_chunks(store_keys, manifests, out)
+        return self.count_hits(out)
+
+    def decode_blobs(self, store_keys: Sequence[bytes], blobs: Sequence[bytes | None]
+                     ) -> tuple[list[Any], dict[int, ChunkManifest]]:
+        """Decode one multi-get reply: values (MISSING for absent or undecodable ones)
+        and the chunk manifests still to resolve. No I/O: any thread may call it."""
+        out: list[Any] = [MISSING] * len(blobs)
         manifests: dict[int, ChunkManifest] = {}
         decode = self.codec.decode
         nbytes = 0
@@ -244,17 +261,19 @@ class AsyncKVCache:
             except DecodeError as exc:
                 self._store_failed("decode", DecodeError(f"key {store_keys[i]!r}: {exc}"))
                 continue
-            if isinstance(value, ChunkManifest):
+            if type(value) is ChunkManifest:
                 manifests[i] = value
             else:
                 out[i] = value
         self._stats["bytes_read"] += nbytes
-        if manifests:
-            await self._resolve_chunks(store_keys, manifests, out)
-        hits = sum(1 for v in out if v is not MISSING)
+        return out, manifests
+
+    def count_hits(self, values: list[Any]) -> list[Any]:
+        misses = sum(1 for v in values if v is MISSING)  # `is`: values may be arrays
+        hits = len(values) - misses
         self._stats["hits"] += hits
-        self._stats["misses"] += n - hits
-        return out
+        self._stats["misses"] += misses
+        return values
 
     async def _resolve_chunks(self, store_keys: list[bytes],
                               manifests: dict[int, ChunkManifest], out: list[Any]) -> None:

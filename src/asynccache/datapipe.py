@@ -24,13 +24,16 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from . import _fork
 from ._fork import park_inherited
 from .clients.base import BaseClient
+from .clients.blocking_resp import reader_for
 from .codec import Codec
 from .core import MISSING, AsyncKVCache, OnError
 from .errors import ConfigError, StoreError
 from .loop import LoopThread, get_loop_thread
 from .prefetch import Prefetcher
+from .stats import Stats
 
 try:  # torch is optional: without it the class is a plain map-style wrapper
     from torch.utils.data import MapDataPipe as _Base
@@ -69,11 +72,14 @@ class _Runtime:
 
     def __init__(self, pipe: AsyncKVCacheMapDataPipe) -> None:
         self.pid = os.getpid()
+        self.fork_generation = _fork.generation
+        self.length = len(pipe)
         self.loop: LoopThread = get_loop_thread()
         self.cache = AsyncKVCache(pipe.client, pipe.namespace, pipe.ttl, pipe.codec,
                                   pipe.on_error)
-        self.prefetcher = Prefetcher(self.cache, self.loop, pipe.key_for, len(pipe),
-                                     pipe.prefetch, wait_timeout=pipe.client.timeout * 3 + 1)
+        self.prefetcher = Prefetcher(self.cache, self.loop, pipe.key_for, self.length,
+                                     pipe.prefetch, wait_timeout=pipe.client.timeout * 3 + 1,
+                                     reader=reader_for(pipe.client))
         self.lock = threading.Lock()
         self.writes: dict[bytes, bytes] = {}
         self.write_scheduled = False
@@ -145,13 +151,13 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
     # -- runtime ---------------------------------------------------------------------------
     def _runtime(self) -> _Runtime:
         rt = self._rt
-        if rt is None or rt.pid != os.getpid():
+        if rt is None or rt.fork_generation != _fork.generation:
             if rt is not None:
                 park_inherited(rt)  # the parent's prefetcher, tasks and locks
             rt = self._rt = _Runtime(self)
             rt.loop.add_shutdown_hook(self)
             if self.order is not None:
-                rt.prefetcher.set_plan(list(self.order))
+                rt.prefetcher.set_plan(list(self.order), self.order)
         return rt
 
     def __getstate__(self) -> dict[str, Any]:
@@ -168,7 +174,7 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
 
     def key_for(self, index: int) -> bytes:
         """The store key of ``index``: ``b"ac:" + namespace + b":" + str(index)``."""
-        return self._prefix + str(index).encode()
+        return b"%b%d" % (self._prefix, index)
 
     def _check_index(self, index: int) -> int:
         if not isinstance(index, int) or isinstance(index, bool):
@@ -181,8 +187,11 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         return index
 
     def __getitem__(self, index: int) -> Any:
-        index = self._check_index(index)
-        rt = self._runtime()
+        rt = self._rt
+        if rt is None or rt.fork_generation != _fork.generation:
+            rt = self._runtime()
+        if type(index) is not int or not 0 <= index < rt.length:
+            index = self._check_index(index)
         value = rt.prefetcher.take(index)
         if value is MISSING:
             value = self._compute({index: None}, rt)[index]
@@ -228,15 +237,16 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
             yield self[index]
 
     def set_order(self, order: Iterable[int]) -> None:
-        """Tell the prefetcher the indices that will be read next (e.g. each epoch)."""
-        self._runtime().prefetcher.set_plan(list(order))
+        """Tell the prefetcher the indices that will be read next; re-iterated when used up."""
+        self.order = order
+        self._runtime().prefetcher.set_plan(list(order), order)
 
     # -- lifecycle -------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         """hits, misses, errors, prefetch_hits, stalls, computed, bytes_read, ... (ints)."""
         rt = self._rt
-        if rt is None or rt.pid != os.getpid():
-            return AsyncKVCache(self.client, self.namespace).stats() | {"computed": 0}
+        if rt is None or rt.pid != os.getpid():  # nothing happened in this process yet
+            return {**Stats().snapshot(), **Prefetcher.zero_counts(), "computed": 0}
         return {**rt.cache.stats(), **rt.prefetcher.counts, "computed": rt.computed}
 
     def flush(self, timeout: float = CLOSE_TIMEOUT) -> None:
@@ -254,6 +264,8 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
     def _finish(self, rt: _Runtime | None, *, close: bool, timeout: float) -> None:
         if rt is None or rt.pid != os.getpid() or rt.loop.closed:
             return
+        if close:
+            rt.prefetcher.close()
         try:
             rt.loop.call(rt.finish(close), timeout)
         except (TimeoutError, StoreError) as exc:

@@ -77,7 +77,8 @@ class LoopThread:
     def in_loop_thread(self) -> bool:
         return threading.get_ident() == self._thread.ident
 
-    def _check_caller(self) -> None:
+    def check_caller(self) -> None:
+        """Raise LoopError when called from this loop's own thread."""
         if self.in_loop_thread():
             raise LoopError(
                 "the synchronous asynccache API was called from asynccache's own loop thread, "
@@ -87,7 +88,7 @@ class LoopThread:
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Schedule ``coro`` on the loop; cancel the returned future to cancel it."""
         try:
-            self._check_caller()
+            self.check_caller()
         except LoopError:
             coro.close()  # never scheduled: close it so it is not reported as un-awaited
             raise

@@ -1,108 +1,259 @@
 """The prefetcher: keeps the next ``prefetch`` planned indices in flight or ready.
 
-It runs on the consumer's side of the loop thread. The consumer thread owns the plan
-(which indices come next) and a *ready buffer*; the loop thread fills the buffer one
-batch at a time and wakes the consumer with one ``Condition.notify_all`` per batch —
-never one ``Future`` per item, because a thread hop per item costs more than the cached
-read it waits for.
+Two threads share it. The **consumer** (the thread calling ``dp[i]``) owns the plan —
+which indices come next — and asks for batches of them; the **loop thread** answers
+each batch by updating a *ready* dict in one C-level ``dict.update`` and wakes the
+consumer only if it is waiting. A hit therefore costs the consumer one ``dict.pop``
+and a plan comparison: no lock, no ``Future``, no thread hop per item. (A per-item
+hand-off costs more than the cached read it waits for; see the issue notes for the
+measurements.)
 
-The plan, best first: an explicit ``order``; iteration over the pipe (0..n-1); or
-sequential read-ahead once two consecutive indices were asked for. A wrong guess costs
-at most one window of reads: results for indices the consumer skipped are dropped.
+Ordering rule that makes the lock-free read safe: the loop thread adds values to
+``ready`` *before* it removes their indices from ``inflight``, and checks ``waiting``
+*after* both. A consumer that finds an index in neither is certain it was never
+requested (or was dropped), and one that waits is always woken.
+
+The plan, best first: an explicit ``order`` (re-iterated when used up); iteration over
+the pipe (0..n-1); or sequential read-ahead once two consecutive indices (or two
+contiguous batches) were asked for. A wrong guess costs at most one window of reads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from .clients.blocking_resp import BlockingRespReader
 from .core import MISSING, AsyncKVCache
-from .errors import CacheError
+from .errors import CacheError, StoreError
 from .loop import LoopThread
 
 __all__ = ["Prefetcher"]
 
-_FAILED = object()
+
+class _Sentinel:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+_NOTHING: Any = _Sentinel("NOTHING")   # not in the ready buffer
+_FAILED: Any = _Sentinel("FAILED")     # the batch failed (on_error="raise")
+
+#: Smallest and largest read-ahead request, in keys. Each request costs ~60–90 µs of
+#: client CPU whatever its size, so batches are as large as the window allows.
+MIN_BATCH = 16
+MAX_BATCH = 256
+
+
+def batch_size_for(window: int) -> int:
+    """Keys per read-ahead request for a window: two requests in flight when possible."""
+    if window <= 0:
+        return 0
+    return max(min(window, MIN_BATCH), min(MAX_BATCH, window // 2))
 
 
 class Prefetcher:
     """Read-ahead over ``cache`` for store keys given by ``key_of(index)``."""
 
     def __init__(self, cache: AsyncKVCache, loop: LoopThread, key_of: Callable[[int], bytes],
-                 length: int, prefetch: int, wait_timeout: float) -> None:
+                 length: int, prefetch: int, wait_timeout: float,
+                 reader: BlockingRespReader | None = None) -> None:
         self.cache = cache
+        #: consumer-driven reads (plain Redis): requests sent and replies parsed in the
+        #: consumer thread; None: reads go through the loop thread
+        self.reader = reader
+        self.sent: collections.deque[tuple[list[int], list[bytes]]] = collections.deque()
         self.loop = loop
         self.key_of = key_of
         self.length = length
         self.window = max(0, prefetch)
-        self.batch = max(1, min(64, self.window // 4 or 1))
+        self.batch = batch_size_for(self.window)
         self.wait_timeout = wait_timeout
-        self.cond = threading.Condition(threading.Lock())
-        self.ready: dict[int, Any] = {}        # index -> value (MISSING: store miss)
+        # shared with the loop thread (see the module docstring for the ordering rule)
+        self.ready: dict[int, Any] = {}
         self.inflight: set[int] = set()
+        self.waiting = False
+        self.cond = threading.Condition(threading.Lock())
         self.error: BaseException | None = None
-        self.tasks: set[asyncio.Task[Any]] = set()  # loop thread only; strong refs
+        self.tasks: set[asyncio.Task[Any]] = set()  # loop thread only: strong refs
+        # consumer thread only
         self.plan: Sequence[int] = ()
-        self.pos = 0                           # plan position of the next expected index
-        self.requested = 0                     # plan positions below this were requested
+        self.plan_len = 0
+        self.order: Iterable[int] | None = None  # re-iterated when the plan runs out
+        self.pos = 0          # plan position of the next expected index
+        self.requested = 0    # plan positions below this have been requested
         self.generation = 0
         self.last_index = -2
-        self.sequential = False
-        self.counts = {"prefetch_hits": 0, "stalls": 0, "stall_us": 0, "direct_reads": 0,
-                       "prefetch_wasted": 0, "stall_timeouts": 0}
+        self.hits = self.stalls = self.stall_us = self.direct_reads = 0
+        self.wasted = self.stall_timeouts = 0
 
-    # -- plan ---------------------------------------------------------------------------
-    def set_plan(self, plan: Sequence[int], sequential: bool = False) -> None:
-        """Start following ``plan`` from its beginning (old read-ahead is discarded)."""
-        with self.cond:
-            self.generation += 1
-            self.counts["prefetch_wasted"] += len(self.ready)
-            self.ready.clear()
-            self.inflight.clear()
-            self.plan, self.pos, self.requested = plan, 0, 0
-            self.sequential = sequential
-            self._top_up()
+    @staticmethod
+    def zero_counts() -> dict[str, int]:
+        return dict.fromkeys(("prefetch_hits", "stalls", "stall_us", "direct_reads",
+                              "prefetch_wasted", "stall_timeouts"), 0)
 
-    def _advance(self, index: int) -> bool:
-        """Move the plan past ``index``; False when ``index`` is not where the plan goes."""
-        plan, pos = self.plan, self.pos
-        if pos < len(plan) and plan[pos] == index:
-            self.pos = pos + 1
-            return True
-        end = min(len(plan), max(self.requested, pos) + 1)
-        for p in range(pos + 1, end):  # skipped ahead within the requested window
-            if plan[p] == index:
-                self.pos = p + 1
-                return True
-        return False
+    @property
+    def counts(self) -> dict[str, int]:
+        return {"prefetch_hits": self.hits, "stalls": self.stalls, "stall_us": self.stall_us,
+                "direct_reads": self.direct_reads, "prefetch_wasted": self.wasted,
+                "stall_timeouts": self.stall_timeouts}
+
+    # -- plan (consumer thread) ----------------------------------------------------------
+    def set_plan(self, plan: Sequence[int], order: Iterable[int] | None = None) -> None:
+        """Follow ``plan`` from its start; with ``order``, re-iterate it when used up."""
+        self.generation += 1
+        self.wasted += len(self.ready)
+        self.ready.clear()
+        self.inflight.clear()
+        self.plan, self.plan_len, self.pos, self.requested = plan, len(plan), 0, 0
+        self.order = order
+        self._top_up()
 
     def _top_up(self) -> None:
-        """Request planned indices until ``window`` of them are ahead (lock held)."""
-        if self.window == 0:
+        """Request planned indices, a batch at a time, while the window has room."""
+        window, batch, plan = self.window, self.batch, self.plan
+        if window == 0:
             return
-        limit = min(len(self.plan), self.pos + self.window)
-        while True:
-            start = max(self.requested, self.pos)
-            stop = min(start + self.batch, limit)
-            if stop <= start or (stop - start < self.batch and stop < len(self.plan)):
-                return  # nothing to ask, or wait until a whole batch fits the window
-            indices = [i for i in self.plan[start:stop]
-                       if i not in self.ready and i not in self.inflight]
-            self.requested = stop
-            if indices:
-                self.inflight.update(indices)
-                self.loop.call_soon(self._start_fetch, indices, self.generation)
+        limit = min(self.plan_len, self.pos + window)
+        start = max(self.requested, self.pos)
+        while start < limit:
+            stop = min(start + batch, limit)
+            if stop - start < batch and stop < self.plan_len:
+                break  # wait until a whole batch fits in the window
+            ready, inflight = self.ready, self.inflight
+            indices = [i for i in plan[start:stop] if i not in ready and i not in inflight]
+            self.requested = start = stop
+            if indices and not self._request(indices):
+                self.requested = min(self.requested, self.pos)  # try the window again later
+                return
 
-    # -- loop side ----------------------------------------------------------------------
-    def _start_fetch(self, indices: list[int], generation: int) -> None:
+    def _request(self, indices: list[int], direct: bool = False) -> bool:
+        """Ask the store for ``indices``: on this thread's socket, or via the loop.
+
+        False when the store is skipped (back-off) or failed. A *direct* request (the
+        consumer waits for it) then gets misses in the ready buffer; read-ahead gets
+        nothing, so that no stale miss outlives the failure.
+        """
+        if self.reader is None:
+            self.inflight.update(indices)
+            self.loop.call_soon(self._start_fetch, indices, self.generation)
+            return True
+        cache = self.cache
+        if cache._store_is_down():  # back-off after a failure: do not even try
+            cache.count("skipped", len(indices))
+            if direct:
+                cache.count("keys_requested", len(indices))
+                self.ready.update(zip(indices, cache.count_hits([MISSING] * len(indices))))
+            return False
         keys = [self.key_of(i) for i in indices]
-        task = self.loop.loop.create_task(self.cache.fetch(keys))
+        try:
+            self._drain(block=False)  # take what has arrived before queueing more
+            self.reader.send_mget(keys)
+        except StoreError as exc:
+            self._reader_failed(exc, indices if direct else ())
+            return False
+        cache.count("keys_requested", len(indices))
+        self.sent.append((indices, keys))
+        self.inflight.update(indices)
+        return True
+
+    def _drain(self, block: bool) -> None:
+        """Deliver the replies that have arrived (with ``block``: at least one)."""
+        reader, cache = self.reader, self.cache
+        while self.sent:
+            blobs = reader.receive_mget(block)  # type: ignore[union-attr]
+            if blobs is False:
+                return
+            indices, keys = self.sent.popleft()
+            values, manifests = cache.decode_blobs(keys, blobs)  # type: ignore[arg-type]
+            for n in manifests:  # a chunked value: its chunks come through the core
+                values[n] = self.loop.call(cache.fetch([keys[n]]))[0]
+                cache.count("keys_requested", -1)
+            cache.count("batches")
+            self.ready.update(zip(indices, cache.count_hits(values)))
+            self.inflight.difference_update(indices)
+            if block:
+                return
+
+    def _reader_failed(self, exc: StoreError, direct: Sequence[int] = ()) -> None:
+        """The socket failed: what was on the wire is dropped (its waiters re-read,
+        which the back-off turns into misses), ``direct`` indices become misses now, and
+        the failure is counted and logged by the cache (raised in ``raise`` mode)."""
+        lost = [i for batch, _keys in self.sent for i in batch]
+        self.sent.clear()
+        self.reader.close()  # type: ignore[union-attr]
+        self.inflight.difference_update(lost)
+        self.requested = min(self.requested, self.pos)  # re-request the window later
+        if self.cache.on_error == "raise":
+            self.ready.update(dict.fromkeys([*lost, *direct], _FAILED))
+            self.error = exc
+            return
+        self.cache.count("keys_requested", len(direct))
+        self.ready.update(zip(direct, self.cache.count_hits([MISSING] * len(direct))))
+        self.cache._store_failed("get", exc)
+
+    def _advance(self, index: int) -> bool:
+        """Move the plan past ``index``; False when the plan does not go there."""
+        plan, pos = self.plan, self.pos
+        if pos < self.plan_len and plan[pos] == index:
+            self.pos = pos + 1
+            return True
+        for p in range(pos + 1, min(self.plan_len, max(self.requested, pos) + 1)):
+            if plan[p] == index:  # skipped ahead within the requested window
+                self.pos = p + 1
+                return True
+        if pos >= self.plan_len and self.order is not None:  # next epoch of an order
+            self.set_plan(list(self.order), self.order)
+            return self._advance(index)
+        return False
+
+    def _sequential_from(self, last: int) -> None:
+        """Switch to sequential read-ahead after ``last`` (off-plan contiguous access)."""
+        if last + 1 < self.length:
+            self.set_plan(range(last + 1, self.length))
+
+    def _after(self, index: int, on_plan: bool) -> None:
+        """Plan bookkeeping after an access that was not a plain in-order hit."""
+        self.drop_stale()
+        if on_plan:
+            if self.requested - self.pos <= self.window - self.batch:
+                self._top_up()
+        elif self.window and index == self.last_index + 1:
+            self._sequential_from(index)
+        self.last_index = index
+
+    # -- loop thread ----------------------------------------------------------------------
+    def _start_fetch(self, indices: list[int], generation: int) -> None:
+        task = self.loop.loop.create_task(self._fetch(indices, generation))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
-        task.add_done_callback(lambda t: self._fetched(indices, generation, t))
+
+    async def _fetch(self, indices: list[int], generation: int) -> None:
+        key_of = self.key_of
+        values: list[Any] | None = None
+        try:
+            values = await self.cache.fetch([key_of(i) for i in indices], failed_as_none=True)
+        except Exception as exc:  # raise mode: the consumer re-raises it
+            self.error = exc
+            values = [_FAILED] * len(indices)
+        finally:  # cancelled too: every waiter must be woken
+            self._deliver(indices, values, generation)
+
+    def _deliver(self, indices: list[int], values: list[Any] | None, generation: int) -> None:
+        if values is not None and generation == self.generation:
+            self.ready.update(zip(indices, values))
+        self.inflight.difference_update(indices)
+        if self.waiting:
+            with self.cond:
+                self.cond.notify_all()
 
     async def cancel_pending(self) -> None:
         """Cancel read-ahead still in flight and wait for it (loop thread)."""
@@ -111,114 +262,120 @@ class Prefetcher:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _fetched(self, indices: list[int], generation: int, task: Any) -> None:
-        if task.cancelled():
-            values: list[Any] = [MISSING] * len(indices)
-        elif task.exception() is not None:
-            values = [_FAILED] * len(indices)
-            self.error = task.exception()
-        else:
-            values = task.result()
-        with self.cond:
-            if generation == self.generation:
-                for index, value in zip(indices, values):
-                    if index in self.inflight:
-                        self.inflight.discard(index)
-                        self.ready[index] = value
-            self.cond.notify_all()
-
-    # -- consumer side ------------------------------------------------------------------
+    # -- consumer side ------------------------------------------------------------------------
     def take(self, index: int) -> Any:
-        """The prefetched value for ``index``, MISSING on a store miss, or fetch it now."""
-        with self.cond:
+        """The value for ``index`` (MISSING on a store miss); fetched now if not planned."""
+        value = self.ready.pop(index, _NOTHING)
+        if value is not _NOTHING:
+            self.hits += 1
+            pos = self.pos
+            if pos < self.plan_len and self.plan[pos] == index:  # the common case, inlined
+                self.pos = pos + 1
+                self.last_index = index
+                if self.requested - pos - 1 <= self.window - self.batch:
+                    self._top_up()
+            else:
+                self._after(index, self._advance(index))
+        else:
             on_plan = self._advance(index)
-            if not on_plan and self.window:
-                on_plan = self._follow_access(index)
-            self.last_index = index
-            value = self._wait_ready(index)
-            if on_plan:
-                self._drop_passed()
-                self._top_up()
+            value = self._wait(index)
+            self._after(index, on_plan)
+            if value is _NOTHING:
+                self.direct_reads += 1
+                value = self._read_now([index])[0]
         if value is _FAILED:
             raise self._error()
-        if value is not _NOT_PLANNED:
-            return value
-        self.counts["direct_reads"] += 1
-        return self.loop.call(self.cache.fetch([self.key_of(index)]))[0]
+        return value
 
     def take_many(self, indices: Sequence[int]) -> list[Any]:
-        """Values for a whole batch: ready ones, then one request for the rest."""
-        out: list[Any] = [_NOT_PLANNED] * len(indices)
-        with self.cond:
-            for n, index in enumerate(indices):
-                self._advance(index)
-                if index in self.ready or index in self.inflight:
-                    out[n] = self._wait_ready(index)
-            if self.plan:
-                self._drop_passed()
+        """Values for a whole batch: ready ones, awaited ones, then one request for the rest."""
+        pop = self.ready.pop
+        out = [pop(i, _NOTHING) for i in indices]
+        contiguous = bool(indices) and indices[0] == self.last_index + 1 and all(
+            b == a + 1 for a, b in itertools.pairwise(indices))
+        on_plan = False
+        for index in indices:
+            on_plan = self._advance(index) or on_plan
+        todo = []
+        for n, value in enumerate(out):
+            if value is _NOTHING:
+                value = out[n] = self._wait(indices[n])
+                if value is _NOTHING:
+                    todo.append(n)
+            else:
+                self.hits += 1
+        if indices:
+            if on_plan:
                 self._top_up()
-        if any(v is _FAILED for v in out):
-            raise self._error()
-        todo = [n for n, v in enumerate(out) if v is _NOT_PLANNED]
+            elif contiguous and self.window:
+                self._sequential_from(indices[-1])
+            self.last_index = indices[-1]
         if todo:
-            self.counts["direct_reads"] += len(todo)
-            values = self.loop.call(self.cache.fetch([self.key_of(indices[n]) for n in todo]))
+            self.direct_reads += len(todo)
+            values = self._read_now([indices[n] for n in todo])
             for n, value in zip(todo, values):
                 out[n] = value
+        if any(v is _FAILED for v in out):
+            raise self._error()
         return out
 
-    def _wait_ready(self, index: int) -> Any:
-        """Pop ``index`` from the ready buffer, waiting if it is in flight (lock held)."""
-        if index in self.ready:
-            self.counts["prefetch_hits"] += 1
-            return self.ready.pop(index)
+    def _read_now(self, indices: list[int]) -> list[Any]:
+        """Values for indices nobody requested yet: one request, waited for."""
+        self.loop.check_caller()  # blocking here would stall (or deadlock) the loop
+        if self.reader is None:
+            return self.loop.call(self.cache.fetch([self.key_of(i) for i in indices]))
+        unique = list(dict.fromkeys(indices))
+        self._request(unique, direct=True)
+        values = {i: self._wait(i) for i in unique}
+        return [MISSING if values[i] is _NOTHING else values[i] for i in indices]
+
+    def _wait(self, index: int) -> Any:
+        """Wait for ``index`` if it is in flight; ``_NOTHING`` if it was never requested."""
         if index not in self.inflight:
-            return _NOT_PLANNED
-        self.counts["stalls"] += 1
+            return self.ready.pop(index, _NOTHING)  # delivered just now, or not planned
+        self.stalls += 1
+        if self.reader is not None:
+            started = time.perf_counter()
+            while index in self.inflight:
+                try:
+                    self._drain(block=True)
+                except StoreError as exc:
+                    self._reader_failed(exc)
+            self.stall_us += int((time.perf_counter() - started) * 1e6)
+            return self.ready.pop(index, _NOTHING)
         started = time.perf_counter()
         deadline = started + self.wait_timeout
-        while index not in self.ready:
-            remaining = deadline - time.perf_counter()
-            if remaining <= 0 or (index not in self.inflight and index not in self.ready):
-                self.counts["stall_timeouts"] += remaining <= 0
-                self.inflight.discard(index)
-                return MISSING
-            self.cond.wait(remaining)
-        self.counts["stall_us"] += int((time.perf_counter() - started) * 1e6)
-        return self.ready.pop(index)
+        with self.cond:
+            self.waiting = True
+            try:
+                while index not in self.ready and index in self.inflight:
+                    remaining = deadline - time.perf_counter()
+                    if remaining <= 0:
+                        self.stall_timeouts += 1
+                        return MISSING  # the store is too slow: compute it instead
+                    self.cond.wait(remaining)
+            finally:
+                self.waiting = False
+        self.stall_us += int((time.perf_counter() - started) * 1e6)
+        return self.ready.pop(index, _NOTHING)
 
-    def _follow_access(self, index: int) -> bool:
-        """Off-plan access: switch to sequential read-ahead after two in a row (lock held).
-
-        Returns True when a new plan starts (so the caller requests its first window).
-        """
-        if index == self.last_index + 1 and index + 1 < self.length:
-            self.generation += 1
-            self.ready.clear()
-            self.inflight.clear()
-            self.plan, self.pos, self.requested = range(index + 1, self.length), 0, 0
-            self.sequential = True
-            return True
-        return False
-
-    def _drop_passed(self) -> None:
-        """Forget ready values the consumer has skipped, so the buffer stays bounded."""
-        if len(self.ready) <= self.window + self.batch:
+    def drop_stale(self) -> None:
+        """Forget ready values the consumer skipped, so the buffer stays bounded."""
+        if len(self.ready) <= 2 * self.window + self.batch:
             return
         upcoming = set(self.plan[self.pos : self.pos + self.window])
         for index in [i for i in self.ready if i not in upcoming]:
-            del self.ready[index]
-            self.counts["prefetch_wasted"] += 1
+            if self.ready.pop(index, _NOTHING) is not _NOTHING:
+                self.wasted += 1
+
+    def close(self) -> None:
+        """Close the consumer-side socket (in-flight read-ahead is dropped)."""
+        if self.reader is not None:
+            self.reader.close()
+        self.sent.clear()
+        self.inflight.clear()
 
     def _error(self) -> BaseException:
         error = self.error or CacheError("prefetch failed")
         self.error = None
         return error
-
-
-class _NotPlanned:
-    def __repr__(self) -> str:
-        return "NOT_PLANNED"
-
-
-_NOT_PLANNED: Any = _NotPlanned()

@@ -15,9 +15,12 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from ..errors import StoreError, StoreTimeout, StoreUnavailable
 from .base import BaseClient, chunked
+from .resp import RespConnection
 
 __all__ = ["RedisClient", "translate_redis_error"]
 
@@ -38,6 +41,7 @@ def translate_redis_error(exc: BaseException, where: str) -> StoreError:
 @dataclass
 class _RedisState:
     redis: aioredis.Redis
+    reads: RespConnection | None  # the lean MGET path; None over TLS (redis-py does it)
 
 
 class RedisClient(BaseClient[_RedisState]):
@@ -86,6 +90,9 @@ class RedisClient(BaseClient[_RedisState]):
             "password": self.password,
             "socket_timeout": self.timeout,
             "socket_connect_timeout": self.connect_timeout,
+            # one immediate retry on a broken connection (a pooled socket that went stale
+            # when the server restarted); never on timeouts, which would double the wait
+            "retry": Retry(NoBackoff(), 1, supported_errors=(rexc.ConnectionError,)),
         }
         if self.unix_socket_path:
             kwargs["connection_class"] = aioredis.UnixDomainSocketConnection
@@ -104,9 +111,17 @@ class RedisClient(BaseClient[_RedisState]):
             timeout=self.timeout,
             **self._connection_kwargs(),
         )
-        return _RedisState(aioredis.Redis(connection_pool=pool))
+        reads = None
+        if not self.ssl:
+            reads = RespConnection(
+                host=self.host, port=self.port, unix_socket_path=self.unix_socket_path,
+                username=self.username, password=self.password, db=self.db,
+                timeout=self.timeout, connect_timeout=self.connect_timeout, where=self.safe_url)
+        return _RedisState(aioredis.Redis(connection_pool=pool), reads)
 
     async def _close_state(self, state: _RedisState) -> None:
+        if state.reads is not None:
+            state.reads.close()
         await state.redis.aclose()
         await state.redis.connection_pool.disconnect()
 
@@ -122,7 +137,10 @@ class RedisClient(BaseClient[_RedisState]):
     async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         if not keys:
             return []
-        r = self._state().redis
+        state = self._state()
+        if state.reads is not None:
+            return await state.reads.mget(chunked(keys, self.max_batch))
+        r = state.redis
         if len(keys) <= self.max_batch:
             return await self._run(r.mget(keys), "MGET")
         parts = await asyncio.gather(
