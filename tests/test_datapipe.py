@@ -264,3 +264,20 @@ def test_bad_arguments() -> None:
         ac.AsyncKVCacheMapDataPipe([1, 2], client, prefetch=-1)
     with pytest.raises(ac.ConfigError, match=r"asynccache\.connect"):
         ac.AsyncKVCacheMapDataPipe([1, 2], "redis://localhost")  # type: ignore[arg-type]
+
+
+def test_stale_read_ahead_misses_are_not_served(pipe_url: str, namespace: str) -> None:
+    """Read-ahead that found nothing must not turn later hits into recomputations."""
+    client = ac.connect(pipe_url)
+    reader_source = CountingSource(100)
+    with ac.AsyncKVCacheMapDataPipe(reader_source, client, prefetch=32,
+                                    namespace=namespace) as reader:
+        reader[10], reader[11]  # sequential: reads ahead from 12 while nothing is cached
+        reader.flush()
+        with ac.AsyncKVCacheMapDataPipe(CountingSource(100), ac.connect(pipe_url),
+                                        namespace=namespace) as writer:
+            writer.__getitems__(list(range(12, 44)))  # another worker fills them
+        reader_source.calls.clear()
+        got = reader.__getitems__([30, 20, 40])  # off the read-ahead plan
+        assert [g["index"] for g in got] == [30, 20, 40]
+        assert reader_source.calls == []

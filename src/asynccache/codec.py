@@ -248,6 +248,7 @@ def _dumps_special(obj: object, protocol: int) -> tuple[bytes, list[Any]]:
         p.torch = torch
         p.tensor_type = getattr(torch, "Tensor", None)
         p.ndarray_type = getattr(sys.modules.get("numpy"), "ndarray", None)
+    p.clear_memo()  # cheap insurance: a stream must never refer to a previous dump's memo
     p.dump(obj)
     f = p.file
     stream = f.getvalue()

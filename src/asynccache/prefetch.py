@@ -276,6 +276,11 @@ class Prefetcher:
                     self._top_up()
             else:
                 self._after(index, self._advance(index))
+                if value is MISSING:
+                    # a read-ahead miss not consumed in plan order may be stale: ask again
+                    self.hits -= 1
+                    self.direct_reads += 1
+                    value = self._read_now([index])[0]
         else:
             on_plan = self._advance(index)
             value = self._wait(index)
@@ -289,13 +294,18 @@ class Prefetcher:
 
     def take_many(self, indices: Sequence[int]) -> list[Any]:
         """Values for a whole batch: ready ones, awaited ones, then one request for the rest."""
-        pop = self.ready.pop
+        pop, advance = self.ready.pop, self._advance
         out = [pop(i, _NOTHING) for i in indices]
         contiguous = bool(indices) and indices[0] == self.last_index + 1 and all(
             b == a + 1 for a, b in itertools.pairwise(indices))
+        in_order: list[bool] = []
         on_plan = False
         for index in indices:
-            on_plan = self._advance(index) or on_plan
+            in_order.append(self.pos < self.plan_len and self.plan[self.pos] == index)
+            on_plan = advance(index) or on_plan
+        for n, value in enumerate(out):
+            if value is MISSING and not in_order[n]:
+                out[n] = _NOTHING  # a read-ahead miss not consumed in plan order may be stale
         todo = []
         for n, value in enumerate(out):
             if value is _NOTHING:
