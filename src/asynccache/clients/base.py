@@ -71,11 +71,17 @@ class BaseClient(ABC, Generic[StateT]):
             weakref.WeakKeyDictionary()
         )
 
+    def _forked(self) -> bool:
+        """True (and the inherited state parked) in a forked child: its sockets are not ours."""
+        if self._pid == os.getpid():
+            return False
+        park_inherited((self._states, self._users))
+        self._init_runtime()
+        return True
+
     def _state(self) -> StateT:
         """The connection state for the running loop, created on first use."""
-        if self._pid != os.getpid():  # we are in a forked child: inherited sockets are not ours
-            park_inherited((self._states, self._users))
-            self._init_runtime()
+        self._forked()
         loop = asyncio.get_running_loop()
         state = self._states.get(loop)
         if state is None:
@@ -93,9 +99,7 @@ class BaseClient(ABC, Generic[StateT]):
 
     async def close(self) -> None:
         """Close this loop's connections. The client stays usable: it reconnects lazily."""
-        if self._pid != os.getpid():
-            park_inherited((self._states, self._users))
-            self._init_runtime()
+        if self._forked():
             return
         loop = asyncio.get_running_loop()
         state = self._states.pop(loop, None)
@@ -114,9 +118,7 @@ class BaseClient(ABC, Generic[StateT]):
 
     async def release(self) -> None:
         """One user fewer; close this loop's connections when none is left."""
-        if self._pid != os.getpid():
-            park_inherited((self._states, self._users))
-            self._init_runtime()
+        if self._forked():
             return
         loop = asyncio.get_running_loop()
         users = self._users.get(loop, 0) - 1

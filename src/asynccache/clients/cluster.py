@@ -13,12 +13,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import redis.exceptions as rexc
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 
-from ..errors import StoreError
 from .base import BaseClient, chunked
-from .redis import translate_redis_error
+from .redis import run_translated
 
 __all__ = ["RedisClusterClient"]
 
@@ -72,13 +70,7 @@ class RedisClusterClient(BaseClient[_ClusterState]):
         await state.cluster.aclose()
 
     async def _run(self, coro: Any, where: str) -> Any:
-        try:
-            return await self._bounded(coro, where)
-        except StoreError:
-            raise
-        except (rexc.RedisError, OSError, EOFError, RuntimeError) as exc:
-            # RuntimeError: uvloop's "handler is closed" when writing to a reset socket
-            raise translate_redis_error(exc, where) from exc
+        return await run_translated(self, coro, where)
 
     async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         if not keys:

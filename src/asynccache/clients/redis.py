@@ -22,7 +22,7 @@ from ..errors import StoreError, StoreTimeout, StoreUnavailable
 from .base import BaseClient, chunked
 from .resp import RespConnection
 
-__all__ = ["RedisClient", "translate_redis_error"]
+__all__ = ["RedisClient", "run_translated", "translate_redis_error"]
 
 
 def translate_redis_error(exc: BaseException, where: str) -> StoreError:
@@ -36,6 +36,17 @@ def translate_redis_error(exc: BaseException, where: str) -> StoreError:
     if isinstance(exc, rexc.ConnectionError | OSError | EOFError | RuntimeError):
         return StoreUnavailable(f"redis connection failed during {where}: {exc}")
     return StoreError(f"redis error during {where}: {type(exc).__name__}: {exc}")
+
+
+async def run_translated(client: BaseClient[Any], coro: Any, where: str) -> Any:
+    """Await a redis-py call with the client's timeout, translating its exceptions."""
+    try:
+        return await client._bounded(coro, where)
+    except StoreError:
+        raise
+    except (rexc.RedisError, OSError, EOFError, RuntimeError) as exc:
+        # RuntimeError: uvloop's "handler is closed" when writing to a reset socket
+        raise translate_redis_error(exc, where) from exc
 
 
 @dataclass
@@ -126,13 +137,7 @@ class RedisClient(BaseClient[_RedisState]):
         await state.redis.connection_pool.disconnect()
 
     async def _run(self, coro: Any, where: str) -> Any:
-        try:
-            return await self._bounded(coro, where)
-        except StoreError:
-            raise
-        except (rexc.RedisError, OSError, EOFError, RuntimeError) as exc:
-            # RuntimeError: uvloop's "handler is closed" when writing to a reset socket
-            raise translate_redis_error(exc, where) from exc
+        return await run_translated(self, coro, where)
 
     async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         if not keys:
