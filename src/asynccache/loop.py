@@ -152,8 +152,23 @@ def get_loop_thread() -> LoopThread:
             if current is not None and current.pid != os.getpid():
                 park_inherited(current)  # the parent's loop: never run, close or free it here
             current = _current = LoopThread()
-            multiprocessing.util.Finalize(current, _shutdown, exitpriority=100)
+            _register_exit_hook()
     return current
+
+
+_hooked_pid = 0
+
+
+def _register_exit_hook() -> None:
+    """Once per process: stop the current loop when a multiprocessing child exits.
+
+    Not tied to a LoopThread object: a finalizer bound to an old loop would run when
+    that object is collected and stop its replacement.
+    """
+    global _hooked_pid
+    if _hooked_pid != os.getpid():
+        _hooked_pid = os.getpid()
+        multiprocessing.util.Finalize(None, _shutdown, exitpriority=100)
 
 
 def _shutdown() -> None:
