@@ -210,20 +210,18 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
 
     def _compute(self, indices: dict[int, None], rt: _Runtime,
                  wait: bool = False) -> dict[int, Any]:
-        """Compute misses in this thread; each result is queued for writing at once.
+        """Compute misses in this thread and queue them for writing.
 
-        With ``wait`` (whole batches, as the DataLoader asks for them) the call returns
-        once the batch's writes are acknowledged: they overlap with computing the rest
-        of the batch, so what remains is about one round trip for the last item — and a
-        worker that hands back a batch has made it visible to every other worker. That
-        is what makes epoch 2 compute nothing even with persistent workers. Single
-        ``dp[i]`` reads only queue (write-behind); ``close()``/``flush()`` wait.
+        With ``wait`` (whole batches, as the DataLoader asks for them) the batch is
+        written with one pipelined request and the call returns once it is
+        acknowledged (about one round trip per batch): a worker that hands back a batch
+        has made it visible to every other worker. That is what makes epoch 2 compute
+        nothing even with persistent workers. Single ``dp[i]`` reads only queue
+        (write-behind); ``close()``/``flush()`` wait.
         """
-        computed: dict[int, Any] = {}
-        for index in indices:
-            value = computed[index] = self.source[index]
-            rt.computed += 1
-            rt.queue_writes(rt.cache.encode_entries({self.key_for(index): value}))
+        computed = {i: self.source[i] for i in indices}
+        rt.computed += len(computed)
+        rt.queue_writes(rt.cache.encode_entries({self.key_for(i): v for i, v in computed.items()}))
         if wait:
             self._finish(rt, close=False, timeout=max(self.client.timeout * 2, 1.0))
         return computed
