@@ -1,0 +1,63 @@
+"""The public contract of DESIGN.md section 2: names, signatures, registration."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+
+import pytest
+from torch.utils.data import MapDataPipe
+
+import asynccache as ac
+
+
+def test_all_names_exist() -> None:
+    for name in ac.__all__:
+        assert hasattr(ac, name), name
+    for name in ("connect", "AsyncKVCache", "AsyncKVCacheMapDataPipe", "CacheError"):
+        assert name in ac.__all__
+
+
+def test_datapipe_signature_matches_the_contract() -> None:
+    params = inspect.signature(ac.AsyncKVCacheMapDataPipe).parameters
+    assert list(params) == ["source", "client", "prefetch", "namespace", "ttl", "codec",
+                            "on_error", "order"]
+    defaults = {name: p.default for name, p in params.items()}
+    assert defaults["prefetch"] == 64 and defaults["on_error"] == "fallback"
+    assert defaults["namespace"] is None and defaults["ttl"] is None
+    assert defaults["codec"] is None and defaults["order"] is None
+
+
+def test_cache_signature_matches_the_contract() -> None:
+    params = list(inspect.signature(ac.AsyncKVCache).parameters)
+    assert params[:5] == ["client", "namespace", "ttl", "codec", "on_error"]
+    for method in ("get", "get_many", "set", "set_many", "get_or_compute", "delete", "stats"):
+        assert callable(getattr(ac.AsyncKVCache, method)), method
+
+
+def test_functional_form_is_registered() -> None:
+    assert "async_kv_cache" in MapDataPipe.functions
+
+
+@pytest.mark.parametrize("error", [ac.InvalidURL, ac.KeyTooLong, ac.EncodeError,
+                                   ac.DecodeError, ac.ValueTooLarge, ac.StoreTimeout,
+                                   ac.StoreUnavailable, ac.LoopError])
+def test_errors_share_one_root(error: type[Exception]) -> None:
+    assert issubclass(error, ac.CacheError)
+
+
+def test_import_without_torch() -> None:
+    """`import asynccache` works where torch is not installed (torch import blocked)."""
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import asynccache as ac\n"
+        "dp = ac.AsyncKVCacheMapDataPipe([1, 2, 3], ac.connect('memory://'), namespace='n')\n"
+        "assert [dp[i] for i in range(3)] == [1, 2, 3]\n"
+        "dp.close()\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
