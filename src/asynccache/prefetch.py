@@ -155,8 +155,7 @@ class Prefetcher:
             return False
         keys = [self.key_of(i) for i in indices]
         try:
-            self._drain(block=False)  # take what has arrived before queueing more
-            self.reader.send_mget(keys)
+            self.reader.send_mget(keys)  # replies are read when first needed (_wait)
         except StoreError as exc:
             self._reader_failed(exc, indices if direct else ())
             return False
@@ -165,13 +164,13 @@ class Prefetcher:
         self.inflight.update(indices)
         return True
 
-    def _drain(self, block: bool) -> None:
-        """Deliver the replies that have arrived (with ``block``: at least one)."""
+    def _drain(self, block: bool) -> bool:
+        """Deliver the oldest reply (waiting for it with ``block``) and every reply
+        that came with it, parsed from bytes already received. False: none arrived."""
         reader, cache = self.reader, self.cache
-        while self.sent:
-            blobs = reader.receive_mget(block)  # type: ignore[union-attr]
-            if blobs is False:
-                return
+        blobs = reader.receive_mget(block)  # type: ignore[union-attr]
+        delivered = blobs is not False
+        while blobs is not False:
             indices, keys = self.sent.popleft()
             values, manifests = cache.decode_blobs(keys, blobs)  # type: ignore[arg-type]
             for n in manifests:  # a chunked value: its chunks come through the core
@@ -180,8 +179,8 @@ class Prefetcher:
             cache.count("batches")
             self.ready.update(zip(indices, cache.count_hits(values)))
             self.inflight.difference_update(indices)
-            if block:
-                return
+            blobs = reader.buffered_mget() if self.sent else False  # type: ignore[union-attr]
+        return delivered
 
     def _reader_failed(self, exc: StoreError, direct: Sequence[int] = ()) -> None:
         """The socket failed: what was on the wire is dropped (its waiters re-read,
@@ -336,23 +335,33 @@ class Prefetcher:
             return self.loop.call(self.cache.fetch([self.key_of(i) for i in indices]))
         unique = list(dict.fromkeys(indices))
         self._request(unique, direct=True)
-        values = {i: self._wait(i) for i in unique}
+        values = {i: self._wait(i, read_ahead=False) for i in unique}
         return [MISSING if values[i] is _NOTHING else values[i] for i in indices]
 
-    def _wait(self, index: int) -> Any:
-        """Wait for ``index`` if it is in flight; ``_NOTHING`` if it was never requested."""
+    def _wait(self, index: int, read_ahead: bool = True) -> Any:
+        """Wait for ``index`` if it is in flight; ``_NOTHING`` if it was never requested.
+
+        ``read_ahead``: the index was requested ahead (its arrival counts as a prefetch
+        hit, its wait as a stall); False for a direct read the consumer asked for now."""
         if index not in self.inflight:
             return self.ready.pop(index, _NOTHING)  # delivered just now, or not planned
-        self.stalls += 1
         if self.reader is not None:
-            started = time.perf_counter()
+            started = 0.0
             while index in self.inflight:
                 try:
-                    self._drain(block=True)
+                    if not self._drain(block=False):  # not here yet: a real stall
+                        if not started:
+                            started = time.perf_counter()
+                            self.stalls += read_ahead
+                        self._drain(block=True)
                 except StoreError as exc:
                     self._reader_failed(exc)
-            self.stall_us += int((time.perf_counter() - started) * 1e6)
+            if started:
+                self.stall_us += int((time.perf_counter() - started) * 1e6)
+            else:
+                self.hits += read_ahead  # it had arrived: only its parsing was deferred
             return self.ready.pop(index, _NOTHING)
+        self.stalls += 1
         started = time.perf_counter()
         deadline = started + self.wait_timeout
         with self.cond:

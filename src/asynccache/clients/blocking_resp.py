@@ -105,6 +105,9 @@ class BlockingRespReader:
     def receive(self, block: bool) -> Any:
         """The next reply; ``False`` if none has fully arrived and ``block`` is False."""
         reply = self.parser.gets()
+        if reply is not False:
+            self.in_flight -= 1
+            return reply
         while reply is False:
             if self.sock is None:
                 raise StoreUnavailable(f"redis connection to {self.where} is closed")
@@ -132,6 +135,17 @@ class BlockingRespReader:
                 self.close()
                 raise StoreError(f"redis {self.where} sent an unexpected reply: {exc}") from exc
         self.in_flight -= 1
+        return reply
+
+    def buffered_mget(self) -> list[bytes | None] | bool:
+        """The next reply if it is already parsed from received bytes, else False
+        (no system call: after a blocking receive, the rest of what came with it)."""
+        reply = self.parser.gets()
+        if reply is False:
+            return False
+        self.in_flight -= 1
+        if isinstance(reply, hiredis.ReplyError):
+            raise StoreError(f"redis {self.where} answered MGET with an error: {reply}")
         return reply
 
     def receive_mget(self, block: bool) -> list[bytes | None] | bool:
