@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "and with async_kv_cache on a private Redis-compatible server",
     ),
 }
+COMMANDS["bench"] = ("asynccache.bench.cli", "benchmarks against peers: tables, JSON, plots")
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130  # the shell's code for SIGINT

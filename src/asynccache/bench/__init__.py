@@ -1,0 +1,33 @@
+"""``asynccache bench``: asynccache against its peers, measured in one run.
+
+Each benchmark module has the same three functions, so :mod:`asynccache.bench.cli`
+just loops over the selected ones::
+
+    run(*, quick: bool, out_dir: pathlib.Path, progress: bool) -> dict   # JSON-able
+    table(results: dict) -> str                                          # markdown
+    plot(results: dict, out_dir: pathlib.Path) -> list[pathlib.Path]     # PNG files
+
+Our modules also take ``session=`` (the stores, machine description and sizes shared by
+one CLI run); without it they start their own private servers.
+
+Modules: ``core`` (``AsyncKVCache.get_many`` against a hand-written ``redis.asyncio``
+MGET loop, layer by layer), ``datapipe`` (the pipe's read paths against the same floor,
+a naive client and a dict), ``latency`` (the three read paths by value size, batch size
+and prefetch depth on Redis, Valkey and memcached, with six peers in the same run),
+``network`` (the same through a loopback proxy that adds round-trip latency) and
+``dataloader`` (DataLoader memory, sharing and epoch time; written separately).
+
+Method, everywhere: values are written once, then read warm. Every case gets warm-up
+runs, then the cases of one comparison are timed round-robin (A B C A B C ...) so that
+drift on a shared machine hits all of them alike; every figure is the median over the
+timed repetitions; every ratio compares two cases of the same run, on the same server
+and the same values. Latency is taken at the consumer with ``time.perf_counter`` around
+each ``dp[i]`` and each awaited or returned batch. Nothing is asserted on timings.
+"""
+
+from __future__ import annotations
+
+__all__ = ["MODULES"]
+
+#: benchmark modules in the order a full run goes through them
+MODULES = ("core", "datapipe", "latency", "network", "dataloader")

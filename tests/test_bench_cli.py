@@ -1,0 +1,107 @@
+"""``asynccache bench`` end to end, in a few seconds (``--smoke``): real private servers,
+every benchmark module of ours, the latency proxy process, tables, JSON and plots.
+
+Only the shape of the output is checked -- which files and keys exist, that every
+ratio is a positive number -- never a timing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asynccache.__main__ import main
+
+OURS = ("core", "datapipe", "latency", "network")
+
+
+def ratios(node: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """Every number stored under a key that contains "ratio", at any depth."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            where = f"{path}/{key}"
+            if "ratio" in str(key):
+                yield from _numbers(value, where)
+            else:
+                yield from ratios(value, where)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from ratios(value, f"{path}[{i}]")
+
+
+def _numbers(node: Any, path: str) -> Iterator[tuple[str, Any]]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _numbers(value, f"{path}/{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _numbers(value, f"{path}[{i}]")
+    elif node is not None and not isinstance(node, str):
+        yield path, node
+
+
+@pytest.mark.timeout(180)
+def test_smoke_run_writes_tables_json_and_plots(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(
+        ["bench", "--smoke", "--no-progress", "--out", str(tmp_path), "--only", ",".join(OURS)]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert {"schema", "mode", "machine", "modules", "headline", "elapsed_s"} <= set(doc)
+    assert doc["mode"] == "smoke"
+    machine = doc["machine"]
+    assert machine["cpu_model"] and machine["cpus_usable"] >= 1 and machine["python"]
+    assert {s["kind"] for s in machine["servers"].values()} >= {"redis", "memcached"}
+    assert all(s["version"] for s in machine["servers"].values())
+    assert set(doc["modules"]) == set(OURS)
+    for name, entry in doc["modules"].items():
+        assert "error" not in entry, f"{name}: {entry.get('error')}"
+        assert entry["results"], name
+        assert entry["plots"], f"{name} made no plot"
+        for plot in entry["plots"]:
+            assert Path(plot).parent == tmp_path and Path(plot).stat().st_size > 0
+
+    latency = doc["modules"]["latency"]["results"]
+    sizes = {block["value_bytes"] for block in latency["by_size"]}
+    assert sizes == {100, 4096, 65536, 1 << 20}
+    block = latency["by_size"][0]
+    roles = {case["role"] for case in block["cases"].values()}
+    assert roles == {"asynccache", "dict", "naive", "floor", "aiocache"}
+    for case in block["cases"].values():
+        assert {"p50", "p95", "p99"} <= set(case["item_us"]) and case["items_per_s"] > 0
+        assert {"p50", "p95", "p99"} <= set(case["batch_us"]) and case["mb_per_s"] > 0
+    levels = doc["modules"]["network"]["results"]["levels"]
+    assert {level["rtt_added_s"] for level in levels} >= {0.0, 1e-3}
+    assert all(level["ping_us"] > 0 for level in levels)
+
+    found = list(ratios(doc))
+    assert len(found) > 50
+    bad = [(p, v) for p, v in found if not (isinstance(v, int | float) and math.isfinite(v))]
+    bad += [(p, v) for p, v in found if isinstance(v, int | float) and v <= 0]
+    assert not bad, bad[:10]
+    assert doc["headline"]["direct"] and doc["headline"]["network"]
+    assert "sentence" in doc["headline"]
+
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.startswith("# asynccache benchmarks")
+    assert "## Headline" in summary and "| store value" in summary
+    assert "p99 per item at the consumer" in summary
+    assert machine["cpu_model"] in summary
+    assert "| store / value / case" in out  # the tables are printed too
+    assert len(list(tmp_path.glob("*.png"))) >= 5
+
+
+def test_unknown_benchmark_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--only", "latency,nosuch"])
+    assert exc.value.code == 2
+    assert "nosuch" in capsys.readouterr().err
