@@ -61,10 +61,12 @@ def same(a: object, b: object) -> bool:
     return a == b and type(a) is type(b)
 
 
-@pytest.fixture(params=["redis", "redis_unix", "valkey", "memcached"])
+@pytest.fixture(params=["redis_server", "redis_unix_server", "valkey_server",
+                        "memcached_server", "redis_cluster"])
 def pipe_url(request: pytest.FixtureRequest) -> str:
-    """Redis-protocol stores are read by the consumer-side socket, memcached via the loop."""
-    return request.getfixturevalue(f"{request.param}_server").url
+    """Plain Redis-protocol stores are read by the consumer-side socket; memcached and
+    the cluster through the loop thread."""
+    return request.getfixturevalue(request.param).url
 
 
 def test_values_equal_source_and_second_pipe_computes_nothing(pipe_url: str,
