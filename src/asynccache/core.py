@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import secrets
+import itertools
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
@@ -232,16 +232,14 @@ class AsyncKVCache:
         misses, so read-ahead can tell "not there" from "could not ask".
         """
         blobs = await self._read_raw(store_keys)
-        if blobs is None:
-            if failed_as_none:
-                return None
-            self._stats["keys_requested"] += len(store_keys)
-            self._stats["misses"] += len(store_keys)
-            return [MISSING] * len(store_keys)
+        if blobs is None and failed_as_none:
+            return None
         self._stats["keys_requested"] += len(store_keys)
+        if blobs is None:
+            return self.count_hits([MISSING] * len(store_keys))
         out, manifests = self.decode_blobs(store_keys, blobs)
         if manifests:
-            await self._resolve_chunks(store_keys, manifests, out)
+            await self.resolve_chunks(store_keys, manifests, out)
         return self.count_hits(out)
 
     def decode_blobs(self, store_keys: Sequence[bytes], blobs: Sequence[bytes | None]
@@ -275,8 +273,10 @@ class AsyncKVCache:
         self._stats["misses"] += misses
         return values
 
-    async def _resolve_chunks(self, store_keys: list[bytes],
-                              manifests: dict[int, ChunkManifest], out: list[Any]) -> None:
+    async def resolve_chunks(self, store_keys: Sequence[bytes],
+                             manifests: dict[int, ChunkManifest], out: list[Any]) -> None:
+        """Replace ``out[i]`` by the joined value of each manifest (one request for all
+        chunks; a missing or damaged chunk leaves the miss in place)."""
         plan = {i: _chunk_keys(store_keys[i], m) for i, m in manifests.items()}
         all_keys = [k for keys in plan.values() for k in keys]
         blobs = await self._read_raw(all_keys)
@@ -361,9 +361,8 @@ class AsyncKVCache:
                     f"{limit}; enable chunking=True or raise the server's item size"
                 )
             chunk_size = max(limit - 64, 1024)
+            manifest = ChunkManifest.for_blob(blob, chunk_size)
             parts = split_chunks(blob, chunk_size)
-            manifest = ChunkManifest(chunks=len(parts), size=len(blob),
-                                     crc=_crc(blob), token=secrets.token_hex(8))
             for chunk_key, part in zip(_chunk_keys(store_key, manifest), parts):
                 entries[chunk_key] = bytes(part)
             entries[store_key] = self.codec.encode_manifest(manifest)
@@ -416,7 +415,7 @@ class AsyncKVCache:
 
     async def _drain_writes(self, ls: _LoopState) -> None:
         while ls.writes:
-            batch_keys = list(ls.writes)[: self.client.max_batch * 4]
+            batch_keys = list(itertools.islice(ls.writes, self.client.max_batch * 4))
             batch = {k: ls.writes.pop(k) for k in batch_keys}
             await self.write_entries(batch)
 
@@ -501,8 +500,3 @@ def _chunk_keys(store_key: bytes, manifest: ChunkManifest) -> list[bytes]:
     stem = store_key + b":chunk:" + manifest.token.encode() + b":"
     return [stem + str(i).encode() for i in range(manifest.chunks)]
 
-
-def _crc(blob: bytes) -> int:
-    import zlib
-
-    return zlib.crc32(blob)

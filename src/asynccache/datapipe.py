@@ -19,7 +19,6 @@ Keys: ``key_for(i) == b"ac:" + namespace + b":" + str(i)``.
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -27,7 +26,6 @@ from typing import Any
 from . import _fork
 from ._fork import park_inherited
 from .clients.base import BaseClient
-from .clients.blocking_resp import reader_for
 from .codec import Codec
 from .core import MISSING, AsyncKVCache, OnError
 from .errors import ConfigError, StoreError
@@ -71,7 +69,6 @@ class _Runtime:
     """Per-process state: loop thread, prefetcher, pending writes. Never pickled."""
 
     def __init__(self, pipe: AsyncKVCacheMapDataPipe) -> None:
-        self.pid = os.getpid()
         self.fork_generation = _fork.generation
         self.length = len(pipe)
         self.loop: LoopThread = get_loop_thread()
@@ -79,12 +76,16 @@ class _Runtime:
                                   pipe.on_error)
         self.prefetcher = Prefetcher(self.cache, self.loop, pipe.key_for, self.length,
                                      pipe.prefetch, wait_timeout=pipe.client.timeout * 3 + 1,
-                                     reader=reader_for(pipe.client))
+                                     reader=pipe.client.blocking_reader())
         self.lock = threading.Lock()
         self.writes: dict[bytes, bytes] = {}
         self.write_scheduled = False
         self.computed = 0
         self.loop.call_soon(self.cache.client.retain)
+
+    def current(self) -> bool:
+        """False in a forked child: this runtime (loop, sockets) is the parent's."""
+        return self.fork_generation == _fork.generation
 
     def queue_writes(self, entries: dict[bytes, bytes]) -> None:
         with self.lock:
@@ -151,7 +152,7 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
     # -- runtime ---------------------------------------------------------------------------
     def _runtime(self) -> _Runtime:
         rt = self._rt
-        if rt is None or rt.fork_generation != _fork.generation:
+        if rt is None or not rt.current():
             if rt is not None:
                 park_inherited(rt)  # the parent's prefetcher, tasks and locks
             rt = self._rt = _Runtime(self)
@@ -243,7 +244,7 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
     def stats(self) -> dict[str, int]:
         """hits, misses, errors, prefetch_hits, stalls, computed, bytes_read, ... (ints)."""
         rt = self._rt
-        if rt is None or rt.pid != os.getpid():  # nothing happened in this process yet
+        if rt is None or not rt.current():  # nothing happened in this process yet
             return {**Stats().snapshot(), **Prefetcher.zero_counts(), "computed": 0}
         return {**rt.cache.stats(), **rt.prefetcher.counts, "computed": rt.computed}
 
@@ -260,7 +261,7 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         self._finish(rt, close=True, timeout=timeout)
 
     def _finish(self, rt: _Runtime | None, *, close: bool, timeout: float) -> None:
-        if rt is None or rt.pid != os.getpid() or rt.loop.closed:
+        if rt is None or not rt.current() or rt.loop.closed:
             return
         if close:
             rt.prefetcher.close()

@@ -47,6 +47,11 @@ class _Sentinel:
 _NOTHING: Any = _Sentinel("NOTHING")   # not in the ready buffer
 _FAILED: Any = _Sentinel("FAILED")     # the batch failed (on_error="raise")
 
+#: stats() name -> attribute holding it
+_COUNTERS = {"prefetch_hits": "hits", "stalls": "stalls", "stall_us": "stall_us",
+             "direct_reads": "direct_reads", "prefetch_wasted": "wasted",
+             "stall_timeouts": "stall_timeouts"}
+
 #: Smallest and largest read-ahead request, in keys. Each request costs ~60–90 µs of
 #: client CPU whatever its size, so batches are as large as the window allows.
 MIN_BATCH = 16
@@ -97,14 +102,11 @@ class Prefetcher:
 
     @staticmethod
     def zero_counts() -> dict[str, int]:
-        return dict.fromkeys(("prefetch_hits", "stalls", "stall_us", "direct_reads",
-                              "prefetch_wasted", "stall_timeouts"), 0)
+        return dict.fromkeys(_COUNTERS, 0)
 
     @property
     def counts(self) -> dict[str, int]:
-        return {"prefetch_hits": self.hits, "stalls": self.stalls, "stall_us": self.stall_us,
-                "direct_reads": self.direct_reads, "prefetch_wasted": self.wasted,
-                "stall_timeouts": self.stall_timeouts}
+        return {name: getattr(self, attr) for name, attr in _COUNTERS.items()}
 
     # -- plan (consumer thread) ----------------------------------------------------------
     def set_plan(self, plan: Sequence[int], order: Iterable[int] | None = None) -> None:
@@ -173,13 +175,13 @@ class Prefetcher:
         while blobs is not False:
             indices, keys = self.sent.popleft()
             values, manifests = cache.decode_blobs(keys, blobs)  # type: ignore[arg-type]
-            for n in manifests:  # a chunked value: its chunks come through the core
-                values[n] = self.loop.call(cache.fetch([keys[n]]))[0]
-                cache.count("keys_requested", -1)
+            if manifests:  # chunked values: their chunks come through the core's loop
+                self.loop.call(cache.resolve_chunks(keys, manifests, values))
             cache.count("batches")
             self.ready.update(zip(indices, cache.count_hits(values)))
             self.inflight.difference_update(indices)
-            blobs = reader.buffered_mget() if self.sent else False  # type: ignore[union-attr]
+            # the replies that came with it, parsed without another system call
+            blobs = reader.receive_mget(False, recv=False) if self.sent else False  # type: ignore[union-attr]
         return delivered
 
     def _reader_failed(self, exc: StoreError, direct: Sequence[int] = ()) -> None:

@@ -176,6 +176,11 @@ class BaseClient(ABC, Generic[StateT]):
     async def ping(self) -> None:
         """Round trip to every server; raises StoreError when one does not answer."""
 
+    def blocking_reader(self) -> Any:
+        """A reader the consumer thread can drive itself (see ``blocking_resp``), or
+        None when this store's reads must go through the event loop."""
+        return None
+
     async def get(self, key: bytes) -> bytes | None:
         return (await self.get_many([key]))[0]
 

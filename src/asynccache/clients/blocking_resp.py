@@ -26,7 +26,7 @@ from typing import Any
 import hiredis
 
 from ..errors import StoreError, StoreTimeout, StoreUnavailable
-from .resp import pack_command, pack_mget
+from .resp import pack_mget, setup_commands, setup_refused
 
 __all__ = ["BlockingRespReader"]
 
@@ -44,7 +44,6 @@ class BlockingRespReader:
         self.timeout, self.connect_timeout, self.where = timeout, connect_timeout, where
         self.sock: socket.socket | None = None
         self.parser = hiredis.Reader()
-        self.in_flight = 0
 
     # -- connection ---------------------------------------------------------------------
     def _connect(self) -> socket.socket:
@@ -62,27 +61,19 @@ class BlockingRespReader:
         except OSError as exc:
             raise StoreUnavailable(f"cannot connect to redis {self.where}: {exc}") from exc
         sock.settimeout(self.timeout)
-        self.sock, self.parser, self.in_flight = sock, hiredis.Reader(), 0
-        setup = []
-        if self.password is not None:
-            user = (self.username.encode(),) if self.username else ()
-            setup.append(pack_command(b"AUTH", *user, self.password.encode()))
-        if self.db:
-            setup.append(pack_command(b"SELECT", str(self.db).encode()))
-        for request in setup:
+        self.sock, self.parser = sock, hiredis.Reader()
+        for request in setup_commands(self.username, self.password, self.db):
             self._send(request)
-            reply = self.receive(block=True)
-            if isinstance(reply, hiredis.ReplyError):
+            refused = setup_refused(self.where, [self._receive(block=True)])
+            if refused is not None:
                 self.close()
-                raise StoreUnavailable(
-                    f"redis {self.where} refused the credentials or database: {reply}; "
-                    "check user/password/db in the URL")
+                raise refused
         return sock
 
     def close(self) -> None:
         if self.sock is not None:
             self.sock.close()
-        self.sock, self.in_flight = None, 0
+        self.sock = None
 
     # -- requests and replies -----------------------------------------------------------
     def _send(self, data: bytes) -> None:
@@ -96,19 +87,16 @@ class BlockingRespReader:
         except OSError as exc:
             self.close()
             raise StoreUnavailable(f"redis connection to {self.where} failed: {exc}") from exc
-        self.in_flight += 1
 
     def send_mget(self, keys: Sequence[bytes]) -> None:
         """Queue one MGET; its reply comes back, in order, from :meth:`receive`."""
         self._send(pack_mget(keys))
 
-    def receive(self, block: bool) -> Any:
-        """The next reply; ``False`` if none has fully arrived and ``block`` is False."""
-        reply = self.parser.gets()
-        if reply is not False:
-            self.in_flight -= 1
-            return reply
-        while reply is False:
+    def _receive(self, block: bool, recv: bool = True) -> Any:
+        """The next reply; ``False`` if none has fully arrived (not blocking) or, with
+        ``recv=False``, if none can be parsed from the bytes already received."""
+        reply = self._parse()
+        while reply is False and recv:
             if self.sock is None:
                 raise StoreUnavailable(f"redis connection to {self.where} is closed")
             try:
@@ -129,39 +117,19 @@ class BlockingRespReader:
                 self.close()
                 raise StoreUnavailable(f"redis {self.where} closed the connection")
             self.parser.feed(data)
-            try:
-                reply = self.parser.gets()
-            except hiredis.ProtocolError as exc:
-                self.close()
-                raise StoreError(f"redis {self.where} sent an unexpected reply: {exc}") from exc
-        self.in_flight -= 1
+            reply = self._parse()
         return reply
 
-    def buffered_mget(self) -> list[bytes | None] | bool:
-        """The next reply if it is already parsed from received bytes, else False
-        (no system call: after a blocking receive, the rest of what came with it)."""
-        reply = self.parser.gets()
-        if reply is False:
-            return False
-        self.in_flight -= 1
+    def _parse(self) -> Any:
+        try:
+            return self.parser.gets()
+        except hiredis.ProtocolError as exc:
+            self.close()
+            raise StoreError(f"redis {self.where} sent an unexpected reply: {exc}") from exc
+
+    def receive_mget(self, block: bool, recv: bool = True) -> list[bytes | None] | bool:
+        """The next MGET reply (see :meth:`_receive` for ``block`` and ``recv``)."""
+        reply = self._receive(block, recv)
         if isinstance(reply, hiredis.ReplyError):
             raise StoreError(f"redis {self.where} answered MGET with an error: {reply}")
         return reply
-
-    def receive_mget(self, block: bool) -> list[bytes | None] | bool:
-        reply = self.receive(block)
-        if isinstance(reply, hiredis.ReplyError):
-            raise StoreError(f"redis {self.where} answered MGET with an error: {reply}")
-        return reply
-
-
-def reader_for(client: Any) -> BlockingRespReader | None:
-    """A blocking reader for ``client`` when it is plain Redis (no TLS), else None."""
-    from .redis import RedisClient
-
-    if type(client) is not RedisClient or client.ssl:
-        return None
-    return BlockingRespReader(
-        host=client.host, port=client.port, unix_socket_path=client.unix_socket_path,
-        username=client.username, password=client.password, db=client.db,
-        timeout=client.timeout, connect_timeout=client.connect_timeout, where=client.safe_url)

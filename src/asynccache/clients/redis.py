@@ -20,6 +20,7 @@ from redis.backoff import NoBackoff
 
 from ..errors import StoreError, StoreTimeout, StoreUnavailable
 from .base import BaseClient, chunked
+from .blocking_resp import BlockingRespReader
 from .resp import RespConnection
 
 __all__ = ["RedisClient", "run_translated", "translate_redis_error"]
@@ -129,6 +130,15 @@ class RedisClient(BaseClient[_RedisState]):
                 username=self.username, password=self.password, db=self.db,
                 timeout=self.timeout, connect_timeout=self.connect_timeout, where=self.safe_url)
         return _RedisState(aioredis.Redis(connection_pool=pool), reads)
+
+    def blocking_reader(self) -> BlockingRespReader | None:
+        """Consumer-driven MGETs for plain Redis (TLS reads go through redis-py)."""
+        if self.ssl:
+            return None
+        return BlockingRespReader(
+            host=self.host, port=self.port, unix_socket_path=self.unix_socket_path,
+            username=self.username, password=self.password, db=self.db,
+            timeout=self.timeout, connect_timeout=self.connect_timeout, where=self.safe_url)
 
     async def _close_state(self, state: _RedisState) -> None:
         if state.reads is not None:

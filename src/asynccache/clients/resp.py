@@ -27,7 +27,7 @@ import hiredis
 
 from ..errors import StoreError, StoreTimeout, StoreUnavailable
 
-__all__ = ["RespConnection", "pack_command"]
+__all__ = ["RespConnection", "pack_command", "pack_mget", "setup_commands", "setup_refused"]
 
 
 def pack_command(*args: bytes) -> bytes:
@@ -35,6 +35,26 @@ def pack_command(*args: bytes) -> bytes:
     parts = [b"*%d\r\n" % len(args)]
     parts.extend(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
     return b"".join(parts)
+
+
+def setup_commands(username: str | None, password: str | None, db: int) -> list[bytes]:
+    """``AUTH`` and ``SELECT`` a new connection needs, packed (empty when none)."""
+    setup = []
+    if password is not None:
+        user = (username.encode(),) if username else ()
+        setup.append(pack_command(b"AUTH", *user, password.encode()))
+    if db:
+        setup.append(pack_command(b"SELECT", str(db).encode()))
+    return setup
+
+
+def setup_refused(where: str, replies: Sequence[Any]) -> StoreUnavailable | None:
+    """The error to raise when the server refused a setup command, else None."""
+    for reply in replies:
+        if isinstance(reply, hiredis.ReplyError):
+            return StoreUnavailable(f"redis {where} refused the credentials or database: "
+                                    f"{reply}; check user/password/db in the URL")
+    return None
 
 
 def pack_mget(keys: Sequence[bytes]) -> bytes:
@@ -119,22 +139,12 @@ class RespConnection:
                                f"{self.connect_timeout:g}s") from exc
         except OSError as exc:
             raise StoreUnavailable(f"cannot connect to redis {self.where}: {exc}") from exc
-        setup = []
-        if self.password is not None:
-            auth = (b"AUTH", self.username.encode(), self.password.encode()) if self.username \
-                else (b"AUTH", self.password.encode())
-            setup.append(pack_command(*auth))
-        if self.db:
-            setup.append(pack_command(b"SELECT", str(self.db).encode()))
+        setup = setup_commands(self.username, self.password, self.db)
         if setup:
-            replies = await self._send(proto, setup)
-            for reply in replies:
-                if isinstance(reply, hiredis.ReplyError):
-                    proto.fail(StoreUnavailable(f"redis {self.where} refused the connection "
-                                                f"setup: {reply}"))
-                    raise StoreUnavailable(
-                        f"redis {self.where} refused the credentials or database: {reply}; "
-                        "check user/password/db in the URL")
+            refused = setup_refused(self.where, await self._send(proto, setup))
+            if refused is not None:
+                proto.fail(refused)
+                raise refused
         self._proto = proto
         return proto
 
