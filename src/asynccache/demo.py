@@ -250,22 +250,7 @@ def run_epoch(
         worker_init_fn=functools.partial(_init_worker, calls, pids),
         generator=torch.Generator().manual_seed(seed),
     )
-    checksum = 0
-    start = time.perf_counter()
-    batches = iter(loader)  # starts the workers: no thread of ours exists during the fork
-    bar = _Bar(  # disable=None: no bar when stderr is not a terminal
-        total=len(dataset),
-        desc=f"{config:>15} {epoch}",
-        unit="item",
-        file=sys.stderr,
-        disable=None,
-        leave=False,
-    )
-    with _RssSampler(pids) as rss, bar:
-        for batch in batches:
-            checksum += _checksum(batch)
-            bar.update(len(batch["label"]))
-    seconds = time.perf_counter() - start
+    seconds, checksum, peaks = timed_pass(loader, len(dataset), pids, f"{config:>15} {epoch}")
     computed = int(calls.value)
     items = len(dataset)
     return EpochResult(
@@ -275,9 +260,35 @@ def run_epoch(
         items=items,
         computed=computed,
         hit_rate=None if config == NO_CACHE else (items - computed) / items,
-        peak_rss_mib=[round(peak / MIB, 1) for peak in rss.peak],
+        peak_rss_mib=[round(peak / MIB, 1) for peak in peaks],
         checksum=checksum,
     )
+
+
+def timed_pass(
+    loader: DataLoader, total: int, pids: Any, desc: str, progress: bool = True
+) -> tuple[float, int, list[int]]:
+    """One pass over ``loader``: (seconds, checksum, peak RSS in bytes of each worker).
+
+    A progress bar on stderr when it is a terminal (and ``progress``); worker RSS is
+    sampled from this process while the pass runs.
+    """
+    checksum = 0
+    start = time.perf_counter()
+    batches = iter(loader)  # starts the workers: no thread of ours exists during the fork
+    bar = _Bar(
+        total=total,
+        desc=desc,
+        unit="item",
+        file=sys.stderr,
+        disable=None if progress else True,  # None: no bar when stderr is not a terminal
+        leave=False,
+    )
+    with _RssSampler(pids) as rss, bar:
+        for batch in batches:
+            checksum += _checksum(batch)
+            bar.update(len(batch["label"]))
+    return time.perf_counter() - start, checksum, list(rss.peak)
 
 
 # ------------------------------------------------------------------------------ output

@@ -804,6 +804,27 @@ def fmt_size(n: int) -> str:
     return f"{n} B"
 
 
+def case_cells(
+    c: Mapping[str, Any], item: Sequence[str] = ("p50", "p95", "p99"),
+    batch: Sequence[str] = ("p50", "p99"),
+) -> list[str]:
+    """A measured case as table cells: items/s, MB/s, item and batch percentiles, CPU."""
+    return [
+        fmt_rate(c["items_per_s"]),
+        fmt_rate(c["mb_per_s"]),
+        *(fmt_us(c["item_us"][p]) for p in item),
+        *(fmt_us(c["batch_us"][p]) for p in batch),
+        fmt_us(c["cpu_us_per_item"]),
+    ]
+
+
+def ratio_cells(block: Mapping[str, Any], name: str, roles: Sequence[str]) -> list[str]:
+    """Case ``name``'s ratio to the peer playing each role in ``block`` ("" if none)."""
+    ratios = block["ratios"].get(name, {})
+    by_role = {c["role"]: other for other, c in block["cases"].items()}
+    return [fmt_ratio(ratios.get(by_role.get(role, ""))) if ratios else "" for role in roles]
+
+
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A GitHub markdown table; the first column left-aligned, the others right."""
     cells = [[str(c) for c in row] for row in rows]

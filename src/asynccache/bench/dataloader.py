@@ -76,13 +76,12 @@ from ..demo import (
     WARM,
     InMemoryCache,
     SyntheticImages,
-    _Bar,
-    _checksum,
     _init_worker,
-    _RssSampler,
     decode,
     measure_item_cost,
+    timed_pass,
 )
+from ._common import cpu_model
 
 __all__ = ["CACHES", "LOADERS", "main", "plot", "run", "table"]
 
@@ -164,29 +163,14 @@ def _epoch(
 ) -> dict[str, Any]:
     with calls.get_lock():
         calls.value = 0
-    checksum = 0
-    start = time.perf_counter()
-    batches = iter(loader)  # forks (non-persistent) workers before our sampler thread starts
-    bar = _Bar(
-        total=n,
-        desc=label,
-        unit="item",
-        file=sys.stderr,
-        disable=None if progress else True,
-        leave=False,
-    )
-    with _RssSampler(pids) as rss, bar:
-        for batch in batches:
-            checksum += _checksum(batch)
-            bar.update(len(batch["label"]))
-    seconds = time.perf_counter() - start
+    seconds, checksum, peaks = timed_pass(loader, n, pids, label, progress)
     computed = int(calls.value)
     return {
         "seconds": round(seconds, 4),
         "items_per_s": round(n / seconds, 1) if seconds > 0 else None,
         "computed": computed,
         "hit_rate": (n - computed) / n,
-        "peak_rss_mib": [round(p / MIB, 1) for p in rss.peak],
+        "peak_rss_mib": [round(p / MIB, 1) for p in peaks],
         "start_rss_mib": [round(s / MIB, 1) for s in start_rss[:]],
         "checksum": checksum,
     }
@@ -299,17 +283,6 @@ def _run_config(
 # -------------------------------------------------------------------------- description
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def _version(package: str) -> str | None:
     try:
         return importlib.metadata.version(package)
@@ -359,7 +332,7 @@ def _machine(server: servers.RedisServer | None, url: str | None, client: Any) -
     except AttributeError:
         usable = os.cpu_count()
     return {
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": usable,
         "memory_gib": round(psutil.virtual_memory().total / (1 << 30), 1),

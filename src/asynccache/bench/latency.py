@@ -38,17 +38,17 @@ from ._common import (
     Store,
     UvloopRunner,
     batches_of,
+    case_cells,
     chunks_by_bytes,
-    fmt_rate,
     fmt_ratio,
     fmt_size,
-    fmt_us,
     make_values,
     markdown_table,
     measure,
     pickled,
     progress_bar,
     quiet_gc,
+    ratio_cells,
     ratios,
     session_for,
     time_async_batches,
@@ -438,24 +438,12 @@ def table(results: dict[str, Any]) -> str:
     rows = []
     for block in results.get("by_size", []):
         label = f"{block['store']} {fmt_size(block['value_bytes'])}"
-        by_role = {c["role"]: name for name, c in block["cases"].items()}
         for name, c in block["cases"].items():
-            r = block["ratios"].get(name, {})
             rows.append(
                 [
                     f"{label} · {name}",
-                    fmt_rate(c["items_per_s"]),
-                    fmt_rate(c["mb_per_s"]),
-                    fmt_us(c["item_us"]["p50"]),
-                    fmt_us(c["item_us"]["p95"]),
-                    fmt_us(c["item_us"]["p99"]),
-                    fmt_us(c["batch_us"]["p50"]),
-                    fmt_us(c["batch_us"]["p99"]),
-                    fmt_us(c["cpu_us_per_item"]),
-                    *(
-                        fmt_ratio(r.get(by_role.get(role, ""))) if r else ""
-                        for role in ("naive", "floor", "aiocache", "dict")
-                    ),
+                    *case_cells(c),
+                    *ratio_cells(block, name, ("naive", "floor", "aiocache", "dict")),
                 ]
             )
         if block.get("note"):
@@ -475,12 +463,7 @@ def table(results: dict[str, Any]) -> str:
                 rows.append(
                     [
                         f"{block['store']} · {name}",
-                        fmt_rate(c["items_per_s"]),
-                        fmt_rate(c["mb_per_s"]),
-                        fmt_us(c["item_us"]["p50"]),
-                        fmt_us(c["item_us"]["p99"]),
-                        fmt_us(c["batch_us"]["p99"]),
-                        fmt_us(c["cpu_us_per_item"]),
+                        *case_cells(c, item=("p50", "p99"), batch=("p99",)),
                     ]
                 )
         out.append(

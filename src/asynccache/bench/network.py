@@ -37,14 +37,14 @@ from ._common import (
     Session,
     Store,
     UvloopRunner,
-    fmt_rate,
-    fmt_ratio,
+    case_cells,
     fmt_size,
     fmt_us,
     markdown_table,
     measure,
     progress_bar,
     quiet_gc,
+    ratio_cells,
     ratios,
     session_for,
 )
@@ -358,23 +358,12 @@ def table(results: dict[str, Any]) -> str:
             f"{level['store']} {fmt_size(level['value_bytes'])} "
             f"+{level['rtt_added_s'] * 1e3:g} ms (ping {fmt_us(level['ping_us'])} µs)"
         )
-        by_role = {c["role"]: name for name, c in level["cases"].items()}
         for name, c in level["cases"].items():
-            r = level["ratios"].get(name, {})
             rows.append(
                 [
                     f"{label} · {name}",
-                    fmt_rate(c["items_per_s"]),
-                    fmt_rate(c["mb_per_s"]),
-                    fmt_us(c["item_us"]["p50"]),
-                    fmt_us(c["item_us"]["p95"]),
-                    fmt_us(c["item_us"]["p99"]),
-                    fmt_us(c["batch_us"]["p99"]),
-                    fmt_us(c["cpu_us_per_item"]),
-                    *(
-                        fmt_ratio(r.get(by_role.get(role, ""))) if r else ""
-                        for role in ("naive", "floor", "aiocache")
-                    ),
+                    *case_cells(c, batch=("p99",)),
+                    *ratio_cells(level, name, ("naive", "floor", "aiocache")),
                 ]
             )
     out.append(markdown_table(headers, rows))
