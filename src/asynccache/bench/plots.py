@@ -93,14 +93,20 @@ def lines(
         if ticks is not None:
             ax.set_xticks(ticks[0], ticks[1])
         ax.grid(alpha=0.3, which="both")
-    for ax in axes[len(panels) :]:
+    return _finish(fig, axes, len(panels), title, handles, 4, path)
+
+
+def _finish(fig: Any, axes: Any, used: int, title: str, handles: dict[str, Any],
+            ncol: int, path: Path) -> Path:
+    """Hide unused panels, add the title and one legend below, save."""
+    for ax in axes[used:]:
         ax.set_visible(False)
     fig.suptitle(title)
     fig.legend(
         list(handles.values()),
         list(handles),
         loc="outside lower center",
-        ncol=min(4, max(1, len(handles))),
+        ncol=min(ncol, max(1, len(handles))),
         fontsize=8,
         frameon=False,
     )
@@ -159,15 +165,4 @@ def cdf(
         ax.set_xlabel(xlabel)
         ax.set_ylabel("fraction of items")
         ax.grid(alpha=0.3, which="both")
-    for ax in axes[len(panels) :]:
-        ax.set_visible(False)
-    fig.suptitle(title)
-    fig.legend(
-        list(handles.values()),
-        list(handles),
-        loc="outside lower center",
-        ncol=min(3, max(1, len(handles))),
-        fontsize=8,
-        frameon=False,
-    )
-    return _save(fig, path)
+    return _finish(fig, axes, len(panels), title, handles, 3, path)
