@@ -9,13 +9,16 @@ redis-py's ``ConnectionError``/``TimeoutError`` shadow the builtins and never es
     ├── ConfigError            a setting the user must fix
     │   ├── InvalidURL         connect() could not parse the URL
     │   ├── KeyTooLong         namespace + key longer than the store accepts
+    │   ├── KeyEncodingError   a key of a type the documented key encoding does not cover
     │   └── MissingDependency  an optional package (torch, zstandard, ...) is needed
     ├── EncodeError            the value cannot be serialised (unpicklable, too large)
     │   └── ValueTooLarge      larger than the store allows and chunking is off
-    ├── DecodeError            bytes under a key are not a value asynccache wrote
+    ├── DecodeError            bytes under a key are not a value asynccache wrote for that key
+    │   └── FormatMismatch     a value of another asynccache format version: a plain miss
     ├── StoreError             the store failed: the core turns these into misses
     │   ├── StoreUnavailable   connection refused / reset / closed
-    │   └── StoreTimeout       no answer within the configured timeout
+    │   ├── StoreTimeout       no answer within the configured timeout
+    │   └── StoreRejected      the store refused one value (too large for it, out of memory)
     └── LoopError              the sync API was called from its own loop thread
 """
 
@@ -26,11 +29,14 @@ __all__ = [
     "ConfigError",
     "DecodeError",
     "EncodeError",
+    "FormatMismatch",
     "InvalidURL",
+    "KeyEncodingError",
     "KeyTooLong",
     "LoopError",
     "MissingDependency",
     "StoreError",
+    "StoreRejected",
     "StoreTimeout",
     "StoreUnavailable",
     "ValueTooLarge",
@@ -53,6 +59,10 @@ class KeyTooLong(ConfigError):
     """A namespace or key is longer than the store accepts."""
 
 
+class KeyEncodingError(ConfigError, TypeError):
+    """A key (or dataset index) of a type the documented key encoding does not cover."""
+
+
 class MissingDependency(ConfigError, ImportError):
     """An optional dependency is needed for the requested feature."""
 
@@ -69,6 +79,13 @@ class DecodeError(CacheError):
     """Bytes in the store are not a value written by asynccache (or are damaged)."""
 
 
+class FormatMismatch(DecodeError):
+    """The value was written by an asynccache with another format version.
+
+    Not damage and not an attack: the core treats it as a plain miss (and overwrites it).
+    """
+
+
 class StoreError(CacheError):
     """The store failed to answer; in fallback mode this becomes a miss."""
 
@@ -79,6 +96,13 @@ class StoreUnavailable(StoreError, ConnectionError):
 
 class StoreTimeout(StoreError, TimeoutError):
     """The store did not answer within the configured timeout."""
+
+
+class StoreRejected(StoreError):
+    """The store answered, but refused one value (over its size limit, out of memory).
+
+    Only that key fails; the message names the server limit to raise.
+    """
 
 
 class LoopError(CacheError, RuntimeError):
