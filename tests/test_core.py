@@ -56,7 +56,8 @@ async def test_namespaces_isolate(client: ac.BaseClient, namespace: str) -> None
     b = ac.AsyncKVCache(client, namespace=namespace + "-b")
     await a.set("k", "from a")
     assert await b.get_many(["k"]) == {}
-    assert a.key("k") == f"ac:{namespace}-a:k".encode()
+    assert a.key("k") == f"ac:{namespace}-a:s:k".encode()  # str keys are tagged: no clash
+    assert a.key("5") != a.key(5)
     assert a.key(5) == f"ac:{namespace}-a:5".encode()
     await a.flush()
 
@@ -137,8 +138,8 @@ async def test_user_errors_raise(client: ac.BaseClient, namespace: str) -> None:
         ac.AsyncKVCache(client, namespace="n" * 500)
     with pytest.raises(ac.ConfigError, match="on_error"):
         ac.AsyncKVCache(client, namespace=namespace, on_error="ignore")  # type: ignore[arg-type]
-    with pytest.raises(ac.ConfigError, match="keys are str"):
-        await cache.get(1.5)  # type: ignore[arg-type]
+    with pytest.raises(ac.KeyEncodingError, match="as a cache key"):
+        await cache.get(1.5)
 
 
 async def test_foreign_bytes_are_a_counted_miss(

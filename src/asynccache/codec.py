@@ -486,7 +486,7 @@ class Codec:
             crc = 0
         return b"".join([_HEADER.pack(_PREFIX, flags, crc), *parts])
 
-    def encode(self, obj: object) -> bytes:
+    def encode(self, obj: object, key: bytes = b"") -> bytes:  # key: placeholder until v2
         """Serialise ``obj``; EncodeError (chained) if it cannot be pickled."""
         if type(obj) is ChunkManifest:
             raise EncodeError("ChunkManifest is reserved for chunked values: use encode_manifest")
@@ -516,7 +516,7 @@ class Codec:
             pos += n
         return self._finish(_F_OOB, parts, len(table) + len(stream) + pos)
 
-    def encode_manifest(self, manifest: ChunkManifest) -> bytes:
+    def encode_manifest(self, manifest: ChunkManifest, key: bytes = b"") -> bytes:
         """Serialise a chunk manifest (never pickled, never compressed)."""
         if not isinstance(manifest, ChunkManifest):
             raise EncodeError(f"expected a ChunkManifest, got {type(manifest).__qualname__}")
@@ -526,7 +526,7 @@ class Codec:
 
     # -- decode ---------------------------------------------------------------------------
 
-    def decode(self, data: bytes | bytearray | memoryview) -> object:
+    def decode(self, data: bytes | bytearray | memoryview, key: bytes = b"") -> object:
         """Inverse of encode/encode_manifest; DecodeError for anything else or damaged."""
         try:
             prefix, flags, crc = _HEADER.unpack_from(data)

@@ -1,24 +1,29 @@
 """``AsyncKVCache``: the async core every integration stands on.
 
-It turns user keys into store keys (namespace), values into bytes (codec, chunking for
-values over the store's item limit), gathers concurrent ``get()`` calls of one loop
-iteration into one multi-get (autobatching), bounds the requests in flight, writes
-behind in batches, and decides what a store failure means (``on_error``).
+It turns user keys into store keys (namespace, :mod:`asynccache.keys`), values into
+bytes bound to their key (codec, chunking for values over the store's item limit),
+gathers concurrent ``get()`` calls of one loop iteration into one multi-get
+(autobatching), bounds the requests in flight, writes behind in batches bounded in
+bytes, and reports every store failure to the one
+:class:`~asynccache.health.FailurePolicy` (count, back off per node, log once, fall
+back or raise).
 
 Store key scheme (documented contract)::
 
-    b"ac:" + namespace + b":" + key      # key: str → UTF-8, int → decimal, bytes as is
+    b"ac:" + namespace + b":" + encode_key(key)     # see asynccache.keys
 
 A chunked value keeps a small manifest under its key and its chunks under
 ``<store key>:chunk:<token>:<i>``.
 
-Failure policy. With ``on_error="fallback"`` (default) a store failure (timeout,
-connection refused/reset, undecodable bytes) is counted in :meth:`stats`, logged once
-per kind, and reads return misses; after a connection failure or timeout the store is
-skipped for a short, growing back-off (0.5 s doubling to 30 s) so a dead store costs
-nothing per item. With ``on_error="raise"`` the :class:`~asynccache.errors.StoreError`
-or :class:`~asynccache.errors.DecodeError` propagates. Errors the user must fix
-(unpicklable values, keys too long, values too large with chunking off) always raise.
+Markers that travel with values between the layers (never returned to users):
+``MISSING`` (not in the store, or unusable: compute it), ``NOT_READ`` (the store was not
+asked or did not answer: read-ahead drops it, a direct read treats it as ``MISSING``)
+and :class:`Failed` (raise mode: this key's bytes failed to decode; raised where it is
+consumed).
+
+Thread use: the async methods run in one event loop. :meth:`decode_blobs`,
+:meth:`encode_entries`, :meth:`stats` and the failure policy may be called from any
+thread (counters are per-thread shards; see :mod:`asynccache.stats`).
 """
 
 from __future__ import annotations
@@ -28,26 +33,31 @@ import inspect
 import itertools
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
-from .clients.base import BaseClient
+from .clients.base import NOT_READ, BaseClient, WriteResult
 from .codec import DEFAULT_CODEC, ChunkManifest, Codec, join_chunks, split_chunks
 from .errors import (
     CacheError,
     ConfigError,
     DecodeError,
+    FormatMismatch,
     KeyTooLong,
     StoreError,
     StoreTimeout,
-    StoreUnavailable,
     ValueTooLarge,
 )
-from .stats import FailureLog, Stats
+from .health import FailurePolicy, OnError
+from .keys import check_namespace, encode_key, namespace_prefix
+from .stats import Counters
 
-__all__ = ["MISSING", "AsyncKVCache", "Key", "OnError"]
+__all__ = ["MISSING", "NOT_READ", "AsyncKVCache", "Failed", "Key", "OnError"]
 
-Key = str | bytes | int
-OnError = Literal["fallback", "raise"]
+Key = Any  # int-like, str, bytes or tuples of them: see asynccache.keys
+
+#: Bytes per write request: a request must fit in ``timeout`` (a 50 MB batch is not one
+#: 1-second request), and reads queue behind less.
+WRITE_REQUEST_BYTES = 8 * 1024 * 1024
 
 
 class _Missing:
@@ -69,34 +79,17 @@ class _Missing:
 
 MISSING: Any = _Missing()
 
-MAX_NAMESPACE_BYTES = 200
-_BACKOFF_START = 0.5
-_BACKOFF_MAX = 30.0
 
+class Failed:
+    """A value that failed to decode, in raise mode: raised where it is consumed."""
 
-def encode_key(key: Key) -> bytes:
-    """User key → bytes, by the documented rule."""
-    if isinstance(key, bytes):
-        return key
-    if isinstance(key, str):
-        return key.encode("utf-8")
-    if isinstance(key, int) and not isinstance(key, bool):
-        return str(key).encode()
-    raise ConfigError(f"cache keys are str, bytes or int; got {type(key).__name__}: {key!r}")
+    __slots__ = ("error",)
 
+    def __init__(self, error: CacheError) -> None:
+        self.error = error
 
-def check_namespace(namespace: str | None) -> str:
-    """Validate a namespace; ``None`` becomes ``"default"``."""
-    if namespace is None:
-        return "default"
-    if not isinstance(namespace, str) or not namespace:
-        raise ConfigError(f"namespace must be a non-empty str, got {namespace!r}")
-    if len(namespace.encode()) > MAX_NAMESPACE_BYTES:
-        raise KeyTooLong(
-            f"namespace {namespace[:40]!r}... is {len(namespace.encode())} bytes; keep it under "
-            f"{MAX_NAMESPACE_BYTES} (use a short name plus a version, e.g. 'imagenet-v3')"
-        )
-    return namespace
+    def __repr__(self) -> str:
+        return f"Failed({self.error!r})"
 
 
 class AsyncKVCache:
@@ -137,12 +130,10 @@ class AsyncKVCache:
         self.chunking = chunking
         self.max_key_size = max_key_size
         self.max_pending_writes = max_pending_writes
-        self._prefix = b"ac:" + self.namespace.encode() + b":"
+        self.prefix = namespace_prefix(self.namespace)
         self._max_in_flight = max_in_flight
-        self._stats = Stats()
-        self._failures = FailureLog()
-        self._down_until = 0.0
-        self._backoff = _BACKOFF_START
+        self.counters = Counters()
+        self.policy = FailurePolicy(on_error, self.counters, client.safe_url)
         self._loop_state: _LoopState | None = None
 
     # -- loop-bound state -------------------------------------------------------------
@@ -168,110 +159,74 @@ class AsyncKVCache:
 
     # -- keys -------------------------------------------------------------------------
     def key(self, key: Key) -> bytes:
-        """The store key for ``key`` (see the module docstring for the scheme)."""
-        store_key = self._prefix + encode_key(key)
+        """The store key for ``key`` (see :mod:`asynccache.keys` for the scheme)."""
+        store_key = self.prefix + encode_key(key)
         if len(store_key) > self.max_key_size:
             raise KeyTooLong(
-                f"store key for {key!r} is {len(store_key)} bytes, over max_key_size="
+                f"store key for {key!r:.60} is {len(store_key)} bytes, over max_key_size="
                 f"{self.max_key_size}; hash long keys yourself or raise max_key_size"
             )
         return store_key
 
-    # -- failure handling -------------------------------------------------------------
-    def _store_is_down(self) -> bool:
-        return self.on_error == "fallback" and time.monotonic() < self._down_until
-
-    def _store_failed(self, operation: str, exc: CacheError) -> None:
-        """Count and log a store failure; raise it in ``raise`` mode."""
-        self._stats["errors"] += 1
-        if isinstance(exc, StoreTimeout):
-            self._stats["timeouts"] += 1
-        elif isinstance(exc, StoreUnavailable):
-            self._stats["unavailable"] += 1
-        elif isinstance(exc, DecodeError):
-            self._stats["decode_errors"] += 1
-        now = time.monotonic()
-        if isinstance(exc, StoreTimeout | StoreUnavailable) and now >= self._down_until:
-            # a new failure, not another request of the same burst: back off, longer
-            # each time a probe after the back-off fails too
-            self._down_until = now + self._backoff
-            self._backoff = min(self._backoff * 2, _BACKOFF_MAX)
-        if self.on_error == "raise":
-            raise exc
-        self._failures.report(operation, exc, self.client.safe_url)
-
-    def _store_ok(self) -> None:
-        self._backoff = _BACKOFF_START
-
     # -- reads ------------------------------------------------------------------------
-    async def _read_raw(self, store_keys: list[bytes]) -> list[bytes | None] | None:
-        """Blobs for ``store_keys``, or ``None`` when the store failed (fallback)."""
-        if self._store_is_down():
-            self._stats["skipped"] += len(store_keys)
-            return None
+    async def read_blobs(self, store_keys: Sequence[bytes]
+                         ) -> tuple[list[Any], StoreError | None]:
+        """Raw values for ``store_keys`` (``None`` absent, ``NOT_READ`` not read) and the
+        first store failure, already counted and logged. Never raises for the store."""
         ls = self._ls()
+        policy = self.policy
         started = time.perf_counter()
-        try:
-            async with ls.in_flight:
-                blobs = await self.client.get_many(store_keys)
-        except StoreError as exc:
-            self._store_failed("get", exc)
-            return None
-        self._store_ok()
-        self._stats["batches"] += 1
-        self._stats["batch_time_us"] += int((time.perf_counter() - started) * 1e6)
-        return blobs
+        async with ls.in_flight:
+            result = await self.client.read(store_keys, policy.down())
+        counters = self.counters.shard()
+        counters["batches"] += 1
+        counters["keys_requested"] += len(store_keys)
+        counters["batch_time_us"] += int((time.perf_counter() - started) * 1e6)
+        for node in result.answered:
+            policy.succeeded(node)
+        if result.skipped:
+            policy.skipped(result.skipped)
+        error = None
+        for node, exc in result.failures.items():
+            policy.failed(node, "get", exc)
+            error = error or exc
+        return result.values, error
 
-    async def fetch(self, store_keys: list[bytes], *, failed_as_none: bool = False
-                    ) -> list[Any] | None:
-        """Decoded values for store keys, ``MISSING`` where absent or unusable.
-
-        The low-level read used by :meth:`get_many` and the prefetcher: one batched
-        request, chunked values resolved with one more, hits/misses counted. With
-        ``failed_as_none``, a failed (or skipped) request returns None instead of
-        misses, so read-ahead can tell "not there" from "could not ask".
-        """
-        blobs = await self._read_raw(store_keys)
-        if blobs is None and failed_as_none:
-            return None
-        self._stats["keys_requested"] += len(store_keys)
-        if blobs is None:
-            return self.count_hits([MISSING] * len(store_keys))
-        out, manifests = self.decode_blobs(store_keys, blobs)
-        if manifests:
-            await self.resolve_chunks(store_keys, manifests, out)
-        return self.count_hits(out)
-
-    def decode_blobs(self, store_keys: Sequence[bytes], blobs: Sequence[bytes | None]
+    def decode_blobs(self, store_keys: Sequence[bytes], blobs: Sequence[Any]
                      ) -> tuple[list[Any], dict[int, ChunkManifest]]:
-        """Decode one multi-get reply: values (MISSING for absent or undecodable ones)
-        and the chunk manifests still to resolve. No I/O: any thread may call it."""
-        out: list[Any] = [MISSING] * len(blobs)
+        """Decode one multi-get reply: a value per key (``MISSING`` for absent or unusable
+        bytes, ``NOT_READ`` passed through, :class:`Failed` in raise mode) and the chunk
+        manifests still to resolve. No I/O: any thread may call it."""
+        out: list[Any] = list(blobs)
         manifests: dict[int, ChunkManifest] = {}
         decode = self.codec.decode
         nbytes = 0
         for i, blob in enumerate(blobs):
             if blob is None:
+                out[i] = MISSING
+                continue
+            if blob is NOT_READ:
                 continue
             nbytes += len(blob)
             try:
-                value = decode(blob)
+                value = decode(blob, store_keys[i])
             except DecodeError as exc:
-                self._store_failed("decode", DecodeError(f"key {store_keys[i]!r}: {exc}"))
+                out[i] = self._decode_failed(store_keys[i], exc)
                 continue
             if type(value) is ChunkManifest:
                 manifests[i] = value
+                out[i] = MISSING  # until its chunks are read
             else:
                 out[i] = value
-        self._stats["bytes_read"] += nbytes
+        self.counters.shard()["bytes_read"] += nbytes
         return out, manifests
 
-    def count_hits(self, values: list[Any]) -> list[Any]:
-        misses = sum(1 for v in values if v is MISSING)  # `is`: values may be arrays
-        hits = len(values) - misses
-        self._stats["hits"] += hits
-        self._stats["misses"] += misses
-        return values
+    def _decode_failed(self, store_key: bytes, exc: DecodeError) -> Any:
+        error = type(exc)(f"key {store_key!r}: {exc}")
+        self.policy.decode_failed(error)
+        if self.policy.strict and not isinstance(exc, FormatMismatch):
+            return Failed(error)
+        return MISSING
 
     async def resolve_chunks(self, store_keys: Sequence[bytes],
                              manifests: dict[int, ChunkManifest], out: list[Any]) -> None:
@@ -279,26 +234,57 @@ class AsyncKVCache:
         chunks; a missing or damaged chunk leaves the miss in place)."""
         plan = {i: _chunk_keys(store_keys[i], m) for i, m in manifests.items()}
         all_keys = [k for keys in plan.values() for k in keys]
-        blobs = await self._read_raw(all_keys)
-        if blobs is None:
-            return
+        blobs, _error = await self.read_blobs(all_keys)
         pos = 0
         for i, keys in plan.items():
             parts = blobs[pos : pos + len(keys)]
             pos += len(keys)
-            if any(p is None for p in parts):
-                continue  # a chunk was evicted: the whole value is a miss
+            if any(p is None or p is NOT_READ for p in parts):
+                continue  # a chunk was evicted (or not read): the whole value is a miss
             try:
-                out[i] = self.codec.decode(join_chunks(parts, manifests[i]))  # type: ignore[arg-type]
+                out[i] = self.codec.decode(join_chunks(parts, manifests[i]), store_keys[i])
             except DecodeError as exc:
-                self._store_failed("decode", DecodeError(f"key {store_keys[i]!r}: {exc}"))
+                out[i] = self._decode_failed(store_keys[i], exc)
+
+    async def read_values(self, store_keys: Sequence[bytes]
+                          ) -> tuple[list[Any], StoreError | None]:
+        """Decoded values (with the markers of the module docstring) and the first store
+        failure. The whole read path of the loop thread; never raises for the store."""
+        blobs, error = await self.read_blobs(store_keys)
+        values, manifests = self.decode_blobs(store_keys, blobs)
+        if manifests:
+            await self.resolve_chunks(store_keys, manifests, values)
+        return values, error
+
+    def _outcomes(self, values: list[Any], error: StoreError | None) -> list[Any]:
+        """Markers → what a caller gets, counting hits and misses: ``MISSING`` for a
+        miss; in raise mode :class:`Failed` for a key whose node failed or whose bytes
+        did not decode (the caller raises it)."""
+        strict = self.policy.strict
+        hits = misses = 0
+        for i, value in enumerate(values):
+            if value is MISSING or value is NOT_READ:
+                if strict and value is NOT_READ and error is not None:
+                    values[i] = Failed(error)
+                    continue
+                values[i] = MISSING
+                misses += 1
+            elif type(value) is not Failed:
+                hits += 1
+        counters = self.counters.shard()
+        counters["hits"] += hits
+        counters["misses"] += misses
+        return values
 
     async def get_many(self, keys: Iterable[Key]) -> dict[Key, Any]:
         """``{key: value}`` for the keys found; misses are simply absent."""
         keys = list(dict.fromkeys(keys))
         if not keys:
             return {}
-        values = await self.fetch([self.key(k) for k in keys])
+        values = self._outcomes(*await self.read_values([self.key(k) for k in keys]))
+        for value in values:
+            if type(value) is Failed:
+                raise value.error
         return {k: v for k, v in zip(keys, values) if v is not MISSING}
 
     async def get(self, key: Key, default: Any = None) -> Any:
@@ -311,7 +297,7 @@ class AsyncKVCache:
             ls.pending[store_key] = [fut]
         else:
             waiters.append(fut)
-            self._stats["coalesced"] += 1
+            self.counters.shard()["coalesced"] += 1
         if not ls.flush_scheduled:
             ls.flush_scheduled = True
             ls.loop.call_soon(self._flush_gets, ls)
@@ -326,19 +312,23 @@ class AsyncKVCache:
     async def _resolve_gets(self, pending: dict[bytes, list[asyncio.Future[Any]]]) -> None:
         keys = list(pending)
         try:
-            values = await self.fetch(keys)
+            values = self._outcomes(*await self.read_values(keys))
         except BaseException as exc:  # every waiter must be resolved on every path
-            error = exc if isinstance(exc, Exception) else CacheError("cache read was cancelled")
+            failure = exc if isinstance(exc, Exception) else CacheError("cache read was cancelled")
             for waiters in pending.values():
                 for fut in waiters:
                     if not fut.done():
-                        fut.set_exception(error)
+                        fut.set_exception(failure)
             if not isinstance(exc, Exception):
                 raise
             return
         for key, value in zip(keys, values):
             for fut in pending[key]:
-                if not fut.done():
+                if fut.done():
+                    continue
+                if type(value) is Failed:
+                    fut.set_exception(value.error)
+                else:
                     fut.set_result(value)
 
     # -- writes -----------------------------------------------------------------------
@@ -350,8 +340,9 @@ class AsyncKVCache:
         """
         limit = self.client.max_value_size
         entries: dict[bytes, bytes] = {}
+        codec = self.codec
         for store_key, value in mapping.items():
-            blob = self.codec.encode(value)
+            blob = codec.encode(value, store_key)
             if limit is None or len(blob) <= limit:
                 entries[store_key] = blob
                 continue
@@ -365,29 +356,51 @@ class AsyncKVCache:
             parts = split_chunks(blob, chunk_size)
             for chunk_key, part in zip(_chunk_keys(store_key, manifest), parts):
                 entries[chunk_key] = bytes(part)
-            entries[store_key] = self.codec.encode_manifest(manifest)
-            self._stats["chunked_values"] += 1
+            entries[store_key] = codec.encode_manifest(manifest, store_key)
+            self.counters.shard()["chunked_values"] += 1
         return entries
 
     async def write_entries(self, entries: Mapping[bytes, bytes], ttl: Any = MISSING) -> bool:
-        """Write encoded entries now; ``False`` when the store failed (fallback)."""
-        if not entries:
-            return True
-        if self._store_is_down():
-            self._stats["writes_dropped"] += len(entries)
-            return False
+        """Write encoded entries now, in requests of at most WRITE_REQUEST_BYTES.
+
+        True when every entry was written; failures are counted, logged once and, in
+        raise mode, raised (the first of them).
+        """
         ttl = self.ttl if ttl is MISSING else ttl
-        try:
-            await self.client.set_many(entries, ttl)
-        except StoreError as exc:
-            self._stats["writes_dropped"] += len(entries)
-            self._store_failed("set", exc)
-            return False
-        self._store_ok()
-        self._stats["sets"] += len(entries)
-        self._stats["set_batches"] += 1
-        self._stats["bytes_written"] += sum(len(v) for v in entries.values())
-        return True
+        ok = True
+        first_error: StoreError | None = None
+        for part in _write_requests(entries, self.client.max_batch * 4):
+            result = await self.client.write(part, ttl, self.policy.down())
+            if not self._count_write(part, result):
+                ok = False
+                first_error = first_error or next(
+                    iter((*result.failures.values(), *result.rejected.values())), None)
+        if first_error is not None and self.policy.strict:
+            raise first_error
+        return ok
+
+    def _count_write(self, part: Mapping[bytes, bytes], result: WriteResult) -> bool:
+        policy = self.policy
+        counters = self.counters.shard()
+        for node in result.answered:
+            policy.succeeded(node)
+        for node, exc in result.failures.items():
+            if isinstance(exc, StoreTimeout) and len(part) == 1:
+                size = len(next(iter(part.values())))
+                exc = StoreTimeout(
+                    f"{exc} — a single {size / 2**20:.1f} MiB value did not fit in "
+                    f"timeout={self.client.timeout:g}s: raise timeout= in connect() (this "
+                    "value needs more than that at this link's speed) or it is never cached")
+            policy.failed(node, "set", exc)
+        for _key, exc in result.rejected.items():
+            policy.failed(self.client.safe_url, "set", exc)
+        dropped = result.failed_keys + len(result.rejected) + result.skipped
+        counters["writes_dropped"] += dropped
+        if result.written:
+            counters["sets"] += result.written
+            counters["set_batches"] += 1
+            counters["bytes_written"] += sum(len(v) for v in part.values())
+        return dropped == 0
 
     async def set_many(self, mapping: Mapping[Key, Any], ttl: Any = MISSING) -> None:
         """Store every pair now (``ttl``: seconds, ``None`` for none, default the cache's)."""
@@ -409,7 +422,7 @@ class AsyncKVCache:
         if overflow > 0:
             for key in list(ls.writes)[:overflow]:
                 del ls.writes[key]
-            self._stats["writes_dropped"] += overflow
+            self.counters.shard()["writes_dropped"] += overflow
         if ls.writer is None or ls.writer.done():
             ls.writer = ls.spawn(self._drain_writes(ls))
 
@@ -417,7 +430,10 @@ class AsyncKVCache:
         while ls.writes:
             batch_keys = list(itertools.islice(ls.writes, self.client.max_batch * 4))
             batch = {k: ls.writes.pop(k) for k in batch_keys}
-            await self.write_entries(batch)
+            try:
+                await self.write_entries(batch)
+            except StoreError:
+                pass  # raise mode: counted by the policy; nobody waits on write-behind
 
     async def flush(self) -> None:
         """Wait for queued write-behind entries to reach the store (or be dropped)."""
@@ -432,7 +448,9 @@ class AsyncKVCache:
         try:
             await self.client.delete_many(store_keys)
         except StoreError as exc:
-            self._store_failed("delete", exc)
+            self.policy.failed(self.client.safe_url, "delete", exc)
+            if self.policy.strict:
+                raise
 
     async def delete(self, key: Key) -> None:
         await self.delete_many([key])
@@ -466,11 +484,11 @@ class AsyncKVCache:
     # -- stats ------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         """Counters: hits, misses, errors, timeouts, batches, bytes_read, sets, ..."""
-        return self._stats.snapshot()
+        return self.counters.snapshot()
 
     def count(self, name: str, n: int = 1) -> None:
         """Add to a counter (integrations keep their own counters here too)."""
-        self._stats[name] += n
+        self.counters.add(name, n)
 
     def __repr__(self) -> str:
         return f"AsyncKVCache({self.client!r}, namespace={self.namespace!r}, ttl={self.ttl!r})"
@@ -498,5 +516,22 @@ class _LoopState:
 
 def _chunk_keys(store_key: bytes, manifest: ChunkManifest) -> list[bytes]:
     stem = store_key + b":chunk:" + manifest.token.encode() + b":"
-    return [stem + str(i).encode() for i in range(manifest.chunks)]
+    return [stem + b"%d" % i for i in range(manifest.chunks)]
+
+
+def _write_requests(entries: Mapping[bytes, bytes], max_keys: int
+                    ) -> Iterable[dict[bytes, bytes]]:
+    """``entries`` cut into requests of at most ``max_keys`` keys and about
+    WRITE_REQUEST_BYTES bytes (a larger single value is a request of its own)."""
+    part: dict[bytes, bytes] = {}
+    size = 0
+    for key, blob in entries.items():
+        n = len(blob)
+        if part and (size + n > WRITE_REQUEST_BYTES or len(part) >= max_keys):
+            yield part
+            part, size = {}, 0
+        part[key] = blob
+        size += n
+    if part:
+        yield part
 

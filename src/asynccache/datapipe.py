@@ -1,26 +1,40 @@
 """``AsyncKVCacheMapDataPipe``: a shared, remote replacement for ``InMemoryCacheHolder``.
 
 ``dp[i]`` returns exactly ``source[i]``. Values come from the store when present (read
-ahead in batches by the :class:`~asynccache.prefetch.Prefetcher`); on a miss the value
+ahead in batches by a :class:`~asynccache.prefetch.Prefetcher`); on a miss the value
 is computed in the caller's thread and queued for a batched write-behind. The store is
 an optimisation: with ``on_error="fallback"`` a slow, dead or corrupt store only turns
 hits into misses.
 
+Indices and keys. An index may be anything ``operator.index()`` accepts (numpy and
+torch integers, 0-d tensors); negative indices count from the end, as for a list. A
+source keyed by something else — a dict-backed ``SequenceWrapper``, a mapping with
+``str`` keys — is cached under its keys (str, bytes, ints, tuples of them) with the
+injective encoding of :mod:`asynccache.keys`: ``key_for(k)`` shows the store key.
+
+Threads. A pipe may be shared by any number of threads (thread pools, torchdata's
+``ParallelMapper(method="thread")``): each thread gets its own prefetcher — plan,
+window, ready buffer and, for Redis, its own socket — so threads never share mutable
+read state; writes go through one locked queue; counters are per-thread shards summed
+by :meth:`~AsyncKVCacheMapDataPipe.stats`.
+
 Namespace derivation (when ``namespace=None``): ``"auto-" + sha1`` of the source's
 class (module and qualified name), its length and, when the source is a torch
-``MapDataPipe`` chain, the repr of each stage. This separates different datasets and
-lengths, but it cannot see inside your ``__getitem__``: change the code or the data
-behind it and the old values are served. Give an explicit, versioned namespace
-(``"imagenet-train-v3"``) for anything long-lived.
+``MapDataPipe`` chain, the name of each stage and of its function. This separates
+different datasets and lengths, but it cannot see inside your ``__getitem__``: change
+the code or the data behind it and the old values are served. Give an explicit,
+versioned namespace (``"imagenet-train-v3"``) for anything long-lived.
 
-Keys: ``key_for(i) == b"ac:" + namespace + b":" + str(i)``.
+Keys: ``key_for(i) == b"ac:" + namespace + b":" + str(i)`` for an int index.
 """
 
 from __future__ import annotations
 
 import hashlib
+import operator
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+import weakref
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from . import _fork
@@ -28,10 +42,11 @@ from ._fork import park_inherited
 from .clients.base import BaseClient
 from .codec import Codec
 from .core import MISSING, AsyncKVCache, OnError
-from .errors import ConfigError, StoreError
+from .errors import ConfigError, KeyTooLong, StoreError
+from .keys import encode_key
 from .loop import LoopThread, get_loop_thread
 from .prefetch import Prefetcher
-from .stats import Stats
+from .sources import LoopSource, ReadSource, SocketSource
 
 try:  # torch is optional: without it the class is a plain map-style wrapper
     from torch.utils.data import MapDataPipe as _Base
@@ -44,6 +59,8 @@ __all__ = ["AsyncKVCacheMapDataPipe", "derive_namespace"]
 
 #: How long close() / worker exit may spend flushing pending writes, in seconds.
 CLOSE_TIMEOUT = 10.0
+#: Attributes through which a datapipe chain or wrapper reaches what it wraps.
+_WRAPPED = ("datapipe", "sequence", "dataset", "source")
 
 
 def derive_namespace(source: Any) -> str:
@@ -65,28 +82,109 @@ def derive_namespace(source: Any) -> str:
     return f"auto-{digest}"
 
 
+def _mapping_behind(source: Any) -> Mapping[Any, Any] | None:
+    """The mapping a source (or the datapipe chain it ends) is keyed by, if any."""
+    node, seen = source, 0
+    while node is not None and seen < 16:
+        if isinstance(node, Mapping):
+            return node
+        node = next((getattr(node, a) for a in _WRAPPED if hasattr(node, a)), None)
+        seen += 1
+    return None
+
+
+def _as_list(order: Iterable[Any]) -> list[Any]:
+    """An order's items as a list: arrays and tensors through ``tolist()`` (plain ints)."""
+    tolist = getattr(order, "tolist", None)
+    items = tolist() if callable(tolist) else list(order)
+    return items if isinstance(items, list) else [items]
+
+
 class _Runtime:
-    """Per-process state: loop thread, prefetcher, pending writes. Never pickled."""
+    """Per-process state: loop thread, per-thread prefetchers, pending writes. Never pickled."""
 
     def __init__(self, pipe: AsyncKVCacheMapDataPipe) -> None:
+        self.pipe = pipe
         self.fork_generation = _fork.generation
         self.length = len(pipe)
         self.loop: LoopThread = get_loop_thread()
         self.cache = AsyncKVCache(pipe.client, pipe.namespace, pipe.ttl, pipe.codec,
                                   pipe.on_error)
-        self.prefetcher = Prefetcher(self.cache, self.loop, pipe.key_for, self.length,
-                                     pipe.prefetch, wait_timeout=pipe.client.timeout * 3 + 1,
-                                     reader=pipe.client.blocking_reader())
+        self.local = threading.local()
         self.lock = threading.Lock()
+        self.order_version = 0
+        #: every thread's prefetcher (for stats and close); ended threads' are folded
+        self.prefetchers: list[tuple[weakref.ref[threading.Thread], Prefetcher]] = []
+        self.retired = Prefetcher.zero_counts()
         self.writes: dict[bytes, bytes] = {}
         self.write_scheduled = False
-        self.computed = 0
         self.loop.call_soon(self.cache.client.retain)
 
     def current(self) -> bool:
         """False in a forked child: this runtime (loop, sockets) is the parent's."""
         return self.fork_generation == _fork.generation
 
+    # -- per-thread read state -----------------------------------------------------------
+    def prefetcher(self) -> Prefetcher:
+        """This thread's prefetcher, made on its first read (and re-planned after
+        ``set_order``)."""
+        try:
+            p: Prefetcher = self.local.prefetcher
+        except AttributeError:
+            p = self._new_prefetcher()
+        if p.order_version != self.order_version:
+            p.order_version = self.order_version
+            self.pipe._follow_order(p)
+        return p
+
+    def _new_prefetcher(self) -> Prefetcher:
+        # Never for the loop thread itself: a blocking read there would stall (or, through
+        # the loop, deadlock) every pipe of the process. Checked once per thread.
+        self.loop.check_caller()
+        pipe, cache = self.pipe, self.cache
+        reads = pipe.client.consumer_reads()
+        source: ReadSource
+        if reads is not None:
+            source = SocketSource(cache, reads, self.loop)
+        else:
+            source = LoopSource(cache, self.loop, wait_timeout=pipe.client.timeout * 2 + 0.5)
+        length = None if pipe._mapping is not None else self.length
+        p = Prefetcher(source, pipe.key_for, length, pipe.prefetch, cache.policy.strict)
+        p.order_version = -1  # follow the pipe's order on first use
+        self.local.prefetcher = p
+        with self.lock:
+            self._fold_ended()
+            self.prefetchers.append((weakref.ref(threading.current_thread()), p))
+        return p
+
+    def _fold_ended(self) -> None:
+        """Keep the counters of threads that have ended, close their sockets (locked)."""
+        live = []
+        for ref, p in self.prefetchers:
+            thread = ref()
+            if thread is None or not thread.is_alive():
+                for name, value in p.counts.items():
+                    self.retired[name] += value
+                p.close()
+            else:
+                live.append((ref, p))
+        self.prefetchers = live
+
+    def counts(self) -> dict[str, int]:
+        with self.lock:
+            self._fold_ended()
+            total = dict(self.retired)
+            for _ref, p in self.prefetchers:
+                for name, value in p.counts.items():
+                    total[name] += value
+        return total
+
+    def close_prefetchers(self) -> None:
+        with self.lock:
+            for _ref, p in self.prefetchers:
+                p.close()
+
+    # -- writes ------------------------------------------------------------------------
     def queue_writes(self, entries: dict[bytes, bytes]) -> None:
         with self.lock:
             self.writes.update(entries)
@@ -105,7 +203,10 @@ class _Runtime:
         """Write what is queued; with ``close``, also close this loop's connections."""
         self._hand_over()
         if close:
-            await self.prefetcher.cancel_pending()
+            with self.lock:
+                sources = [p.source for _ref, p in self.prefetchers]
+            for source in sources:
+                await source.cancel_pending()
         await self.cache.flush()
         if close:
             await self.cache.client.release()
@@ -114,9 +215,10 @@ class _Runtime:
 class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
     """Cache a map-style dataset in a shared key-value store, with batched prefetch.
 
-    Works on any ``source`` with ``__getitem__`` and ``__len__``. ``order`` is an
-    iterable of the indices that will be read next (a list, or a sampler with a fixed
-    seed); it is re-iterated when exhausted. ``prefetch=0`` disables read-ahead.
+    Works on any ``source`` with ``__getitem__`` and ``__len__``. ``order`` is the
+    indices that will be read next: a list, tuple, numpy array, tensor, sampler, or an
+    iterator (which is consumed once, here, and reused every epoch); it is re-iterated
+    when used up. ``prefetch=0`` disables read-ahead.
     """
 
     def __init__(
@@ -128,14 +230,14 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         ttl: float | None = None,
         codec: Codec | None = None,
         on_error: OnError = "fallback",
-        order: Iterable[int] | None = None,
+        order: Iterable[Any] | None = None,
     ) -> None:
         if not hasattr(source, "__getitem__") or not hasattr(source, "__len__"):
             raise ConfigError(
                 f"async_kv_cache needs a map-style source with __getitem__ and __len__, "
                 f"got {type(source).__name__}"
             )
-        if not isinstance(prefetch, int) or prefetch < 0:
+        if type(prefetch) is not int or prefetch < 0:
             raise ConfigError(f"prefetch must be an int >= 0, got {prefetch!r}")
         self.source = source
         self.client = client
@@ -144,9 +246,12 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         self.ttl = ttl
         self.codec = codec
         self.on_error: OnError = on_error
-        self.order = order
+        self._mapping = _mapping_behind(source)
+        self.order = self._check_order(order)
         # Validates namespace / client / on_error now, in the caller, not in a worker.
-        self._prefix = AsyncKVCache(client, self.namespace, ttl, codec, on_error).key("")
+        probe = AsyncKVCache(client, self.namespace, ttl, codec, on_error)
+        self._prefix = probe.prefix
+        self._max_key_size = probe.max_key_size
         self._rt: _Runtime | None = None
 
     # -- runtime ---------------------------------------------------------------------------
@@ -154,11 +259,9 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         rt = self._rt
         if rt is None or not rt.current():
             if rt is not None:
-                park_inherited(rt)  # the parent's prefetcher, tasks and locks
+                park_inherited(rt)  # the parent's prefetchers, sockets and locks
             rt = self._rt = _Runtime(self)
             rt.loop.add_shutdown_hook(self)
-            if self.order is not None:
-                rt.prefetcher.set_plan(list(self.order), self.order)
         return rt
 
     def __getstate__(self) -> dict[str, Any]:
@@ -169,59 +272,113 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
 
-    # -- map-style protocol --------------------------------------------------------------------
+    # -- indices, keys and orders ----------------------------------------------------------
     def __len__(self) -> int:
         return len(self.source)
 
-    def key_for(self, index: int) -> bytes:
-        """The store key of ``index``: ``b"ac:" + namespace + b":" + str(index)``."""
-        return b"%b%d" % (self._prefix, index)
+    def key_for(self, index: Any) -> bytes:
+        """The store key of ``index``: ``b"ac:" + namespace + b":" + str(index)`` for an
+        int; other keys by the encoding of :mod:`asynccache.keys`."""
+        if type(index) is int:
+            return b"%b%d" % (self._prefix, index)
+        key = self._prefix + encode_key(index)
+        if len(key) > self._max_key_size:
+            raise KeyTooLong(f"store key for {index!r:.60} is {len(key)} bytes, over "
+                             f"{self._max_key_size}; use shorter keys (e.g. a hash)")
+        return key
 
-    def _check_index(self, index: int) -> int:
-        if not isinstance(index, int) or isinstance(index, bool):
-            raise TypeError(f"indices must be int, got {type(index).__name__}")
+    def _normalize(self, index: Any) -> Any:
+        """The canonical form of an index: an int in range for a sequence source (numpy
+        and torch integers converted, negatives counted from the end), the key itself
+        for a keyed source. ``dp[i]`` and ``order`` go through the same rule."""
+        if self._mapping is not None:
+            if isinstance(index, str | bytes | tuple):
+                return index
+            try:
+                return operator.index(index)
+            except TypeError:
+                return index  # the key encoding decides (and explains) what is refused
+        try:
+            i = operator.index(index)
+        except TypeError:
+            if isinstance(index, str | bytes | tuple):
+                return index  # a source indexed by something else: cache under that key
+            raise TypeError(f"indices must be integers (or keys of a keyed source), got "
+                            f"{type(index).__name__}") from None
         n = len(self.source)
-        if index < 0:
-            index += n
-        if not 0 <= index < n:
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
             raise IndexError(f"index {index} out of range for a dataset of length {n}")
-        return index
+        return i
 
-    def __getitem__(self, index: int) -> Any:
+    def _check_order(self, order: Iterable[Any] | None) -> Iterable[Any] | None:
+        if order is None:
+            return None
+        if isinstance(order, str | bytes) or not isinstance(order, Iterable):
+            raise ConfigError(f"order must be an iterable of indices (a list, array, tensor "
+                              f"or sampler), got {type(order).__name__}")
+        if iter(order) is order:  # an iterator: consume it once, reuse it every epoch
+            order = list(order)
+        try:
+            empty = len(order) == 0  # type: ignore[arg-type]
+        except TypeError:
+            empty = False
+        if empty:
+            raise ConfigError("order is empty: pass the indices that will be read, or "
+                              "order=None to let asynccache detect sequential reads")
+        return order
+
+    def _plan_from(self, order: Iterable[Any]) -> list[Any]:
+        try:
+            return [self._normalize(i) for i in _as_list(order)]
+        except (IndexError, TypeError) as exc:
+            raise ConfigError(f"order contains an index this dataset does not have: "
+                              f"{exc}") from exc
+
+    def _follow_order(self, p: Prefetcher) -> None:
+        order = self.order
+        if order is None:
+            return
+        plan = self._plan_from(order)
+        p.set_plan(plan, lambda: self._plan_from(order))
+
+    # -- map-style protocol --------------------------------------------------------------------
+    def __getitem__(self, index: Any) -> Any:
         rt = self._rt
         if rt is None or rt.fork_generation != _fork.generation:
             rt = self._runtime()
-        if type(index) is not int or not 0 <= index < rt.length:
-            index = self._check_index(index)
-        value = rt.prefetcher.take(index)
+        p = rt.prefetcher()
+        if type(index) is not int or not 0 <= index < rt.length or self._mapping is not None:
+            index = self._normalize(index)
+        value = p.take(index)
         if value is MISSING:
-            value = self._compute({index: None}, rt)[index]
+            value = self._compute([index], rt)[index]
         return value
 
-    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+    def __getitems__(self, indices: Sequence[Any]) -> list[Any]:
         """A whole batch with one store request; misses computed and written back."""
-        indices = [self._check_index(i) for i in indices]
         rt = self._runtime()
-        values = rt.prefetcher.take_many(indices)
-        missing = {i: None for i, v in zip(indices, values) if v is MISSING}
+        indices = [self._normalize(i) for i in indices]
+        values = rt.prefetcher().take_many(indices)
+        missing = [i for i, v in zip(indices, values) if v is MISSING]
         if missing:
             computed = self._compute(missing, rt, wait=True)
             values = [computed[i] if v is MISSING else v for i, v in zip(indices, values)]
         return values
 
-    def _compute(self, indices: dict[int, None], rt: _Runtime,
-                 wait: bool = False) -> dict[int, Any]:
+    def _compute(self, indices: list[Any], rt: _Runtime, wait: bool = False) -> dict[Any, Any]:
         """Compute misses in this thread and queue them for writing.
 
         With ``wait`` (whole batches, as the DataLoader asks for them) the batch is
-        written with one pipelined request and the call returns once it is
+        written with pipelined requests and the call returns once they are
         acknowledged (about one round trip per batch): a worker that hands back a batch
         has made it visible to every other worker. That is what makes epoch 2 compute
         nothing even with persistent workers. Single ``dp[i]`` reads only queue
         (write-behind); ``close()``/``flush()`` wait.
         """
-        computed = {i: self.source[i] for i in indices}
-        rt.computed += len(computed)
+        computed = {i: self.source[i] for i in dict.fromkeys(indices)}
+        rt.cache.counters.add("computed", len(computed))
         rt.queue_writes(rt.cache.encode_entries({self.key_for(i): v for i, v in computed.items()}))
         if wait:
             self._finish(rt, close=False, timeout=max(self.client.timeout * 2, 1.0))
@@ -229,24 +386,35 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
 
     def __iter__(self) -> Iterator[Any]:
         rt = self._runtime()
-        n = len(self)
-        plan = list(self.order) if self.order is not None else range(n)
-        rt.prefetcher.set_plan(plan)
+        if self.order is not None:
+            plan: Sequence[Any] = self._plan_from(self.order)
+        elif self._mapping is not None:
+            plan = list(self._mapping.keys())
+        else:
+            plan = range(len(self))
+        rt.prefetcher().set_plan(plan)
         for index in plan:
             yield self[index]
 
-    def set_order(self, order: Iterable[int]) -> None:
-        """Tell the prefetcher the indices that will be read next; re-iterated when used up."""
-        self.order = order
-        self._runtime().prefetcher.set_plan(list(order), order)
+    def set_order(self, order: Iterable[Any]) -> None:
+        """Tell the prefetchers the indices that will be read next (every thread's, at its
+        next read); re-iterated when used up."""
+        self.order = self._check_order(order)
+        rt = self._runtime()
+        rt.order_version += 1
 
     # -- lifecycle -------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         """hits, misses, errors, prefetch_hits, stalls, computed, bytes_read, ... (ints)."""
         rt = self._rt
         if rt is None or not rt.current():  # nothing happened in this process yet
-            return {**Stats().snapshot(), **Prefetcher.zero_counts(), "computed": 0}
-        return {**rt.cache.stats(), **rt.prefetcher.counts, "computed": rt.computed}
+            return {**AsyncKVCache(self.client, self.namespace).stats(),
+                    **Prefetcher.zero_counts(), "computed": 0}
+        total = rt.cache.stats()
+        total.setdefault("computed", 0)
+        for name, value in rt.counts().items():
+            total[name] = total.get(name, 0) + value
+        return total
 
     def flush(self, timeout: float = CLOSE_TIMEOUT) -> None:
         """Wait until pending write-behind entries are in the store (bounded)."""
@@ -264,12 +432,12 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         if rt is None or not rt.current() or rt.loop.closed:
             return
         if close:
-            rt.prefetcher.close()
+            rt.close_prefetchers()
         try:
             rt.loop.call(rt.finish(close), timeout)
         except (TimeoutError, StoreError) as exc:
             rt.cache.count("writes_dropped", len(rt.writes))
-            rt.cache._failures.report("flush", exc, self.client.safe_url)
+            rt.cache.policy.log.report("flush", exc, self.client.safe_url)
 
     def _on_loop_shutdown(self) -> None:
         rt, self._rt = self._rt, None

@@ -1,56 +1,60 @@
 """The prefetcher: keeps the next ``prefetch`` planned indices in flight or ready.
 
-Two threads share it. The **consumer** (the thread calling ``dp[i]``) owns the plan —
-which indices come next — and asks for batches of them; the **loop thread** answers
-each batch by updating a *ready* dict in one C-level ``dict.update`` and wakes the
-consumer only if it is waiting. A hit therefore costs the consumer one ``dict.pop``
-and a plan comparison: no lock, no ``Future``, no thread hop per item. (A per-item
-hand-off costs more than the cached read it waits for; see the issue notes for the
-measurements.)
+It holds only three things — the **plan** (which indices come next), the **window**
+(what has been requested and is in flight), and the **ready** buffer (values that
+arrived) — and does no I/O itself: reads go to a :class:`~asynccache.sources.ReadSource`
+(the consumer's own socket, or the loop thread), which hands back completed tickets.
+The failure policy lives in the core; here only one decision is made: what the
+consumer sees.
 
-Ordering rule that makes the lock-free read safe: the loop thread adds values to
-``ready`` *before* it removes their indices from ``inflight``, and checks ``waiting``
-*after* both. A consumer that finds an index in neither is certain it was never
-requested (or was dropped), and one that waits is always woken.
+One prefetcher belongs to one consumer thread (the pipe keeps one per thread), so none
+of its state is shared and a hit is a ``dict.pop`` plus a plan comparison: no lock,
+no ``Future``, no thread hop per item.
 
-The plan, best first: an explicit ``order`` (re-iterated when used up); iteration over
-the pipe (0..n-1); or sequential read-ahead once two consecutive indices (or two
-contiguous batches) were asked for. A wrong guess costs at most one window of reads.
+Rules that keep it correct:
+
+* Every index leaves ``inflight`` on every path: delivered, dropped because its node
+  failed (``NOT_READ``), or abandoned when its ticket missed the deadline.
+* A read-ahead failure is never remembered: the indices are dropped, and reading one of
+  them later reads it directly, so a store that came back is used again and raise mode
+  raises only fresh errors. The consumer that was waiting for the failed batch gets the
+  failure (raise) or a miss (fallback) at once.
+* A read-ahead *miss* is trusted only when consumed in plan order: one consumed out of
+  order may be older than a write made meanwhile, so it is read again.
+* A wrong plan costs at most one window of reads (bounded buffer, dropped on replan).
+
+The plan, best first: an explicit order (re-planned from it when used up); the pipe's
+iteration order; or sequential read-ahead once two consecutive int indices (or two
+contiguous batches) are asked for.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import itertools
-import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from .clients.blocking_resp import BlockingRespReader
-from .core import MISSING, AsyncKVCache
-from .errors import CacheError, StoreError
-from .loop import LoopThread
+from .clients.base import NOT_READ
+from .core import MISSING, Failed
+from .errors import CacheError, StoreTimeout
+from .sources import ReadSource, Ticket
 
-__all__ = ["Prefetcher"]
+__all__ = ["Prefetcher", "batch_size_for"]
 
 
-class _Sentinel:
-    def __init__(self, name: str) -> None:
-        self.name = name
-
+class _Nothing:
     def __repr__(self) -> str:
-        return self.name
+        return "NOTHING"
 
 
-_NOTHING: Any = _Sentinel("NOTHING")   # not in the ready buffer
-_FAILED: Any = _Sentinel("FAILED")     # the batch failed (on_error="raise")
+_NOTHING: Any = _Nothing()  # not in the ready buffer
 
 #: stats() name -> attribute holding it
-_COUNTERS = {"prefetch_hits": "hits", "stalls": "stalls", "stall_us": "stall_us",
-             "direct_reads": "direct_reads", "prefetch_wasted": "wasted",
-             "stall_timeouts": "stall_timeouts"}
+COUNTERS = {"hits": "hits", "misses": "misses", "prefetch_hits": "prefetch_hits",
+            "stalls": "stalls", "stall_us": "stall_us", "direct_reads": "direct_reads",
+            "prefetch_wasted": "wasted", "stall_timeouts": "stall_timeouts"}
 
 #: Smallest and largest read-ahead request, in keys. Each request costs ~60–90 µs of
 #: client CPU whatever its size, so batches are as large as the window allows.
@@ -65,58 +69,56 @@ def batch_size_for(window: int) -> int:
     return max(min(window, MIN_BATCH), min(MAX_BATCH, window // 2))
 
 
-class Prefetcher:
-    """Read-ahead over ``cache`` for store keys given by ``key_of(index)``."""
+def _drain(iterator: Any) -> None:
+    collections.deque(iterator, maxlen=0)
 
-    def __init__(self, cache: AsyncKVCache, loop: LoopThread, key_of: Callable[[int], bytes],
-                 length: int, prefetch: int, wait_timeout: float,
-                 reader: BlockingRespReader | None = None) -> None:
-        self.cache = cache
-        #: consumer-driven reads (plain Redis): requests sent and replies parsed in the
-        #: consumer thread; None: reads go through the loop thread
-        self.reader = reader
-        self.sent: collections.deque[tuple[list[int], list[bytes]]] = collections.deque()
-        self.loop = loop
+
+class Prefetcher:
+    """Read-ahead for one consumer thread over ``source``; keys from ``key_of(index)``.
+
+    ``length`` (None for sources keyed by something else than 0..n-1) bounds
+    sequential read-ahead. ``strict`` is the cache's raise mode.
+    """
+
+    def __init__(self, source: ReadSource, key_of: Callable[[Any], bytes],
+                 length: int | None, prefetch: int, strict: bool) -> None:
+        self.source = source
         self.key_of = key_of
         self.length = length
         self.window = max(0, prefetch)
         self.batch = batch_size_for(self.window)
-        self.wait_timeout = wait_timeout
-        # shared with the loop thread (see the module docstring for the ordering rule)
-        self.ready: dict[int, Any] = {}
-        self.inflight: set[int] = set()
-        self.waiting = False
-        self.cond = threading.Condition(threading.Lock())
-        self.error: BaseException | None = None
-        self.tasks: set[asyncio.Task[Any]] = set()  # loop thread only: strong refs
-        # consumer thread only
-        self.plan: Sequence[int] = ()
+        self.strict = strict
+        self.ready: dict[Any, Any] = {}
+        self.inflight: dict[Any, Ticket] = {}
+        self.plan: Sequence[Any] = ()
         self.plan_len = 0
-        self.order: Iterable[int] | None = None  # re-iterated when the plan runs out
         self.pos = 0          # plan position of the next expected index
         self.requested = 0    # plan positions below this have been requested
+        self.replan: Callable[[], list[Any]] | None = None  # the next epoch of an order
         self.generation = 0
-        self.last_index = -2
-        self.hits = self.stalls = self.stall_us = self.direct_reads = 0
-        self.wasted = self.stall_timeouts = 0
+        self.last_index: Any = None
+        self.order_version = 0  # which version of the pipe's order this plan follows
+        self.hits = self.misses = self.prefetch_hits = 0
+        self.stalls = self.stall_us = self.direct_reads = self.wasted = self.stall_timeouts = 0
 
     @staticmethod
     def zero_counts() -> dict[str, int]:
-        return dict.fromkeys(_COUNTERS, 0)
+        return dict.fromkeys(COUNTERS, 0)
 
     @property
     def counts(self) -> dict[str, int]:
-        return {name: getattr(self, attr) for name, attr in _COUNTERS.items()}
+        return {name: getattr(self, attr) for name, attr in COUNTERS.items()}
 
-    # -- plan (consumer thread) ----------------------------------------------------------
-    def set_plan(self, plan: Sequence[int], order: Iterable[int] | None = None) -> None:
-        """Follow ``plan`` from its start; with ``order``, re-iterate it when used up."""
+    # -- plan -----------------------------------------------------------------------------
+    def set_plan(self, plan: Sequence[Any],
+                 replan: Callable[[], list[Any]] | None = None) -> None:
+        """Follow ``plan`` from its start; when it is used up, follow ``replan()``."""
         self.generation += 1
         self.wasted += len(self.ready)
         self.ready.clear()
         self.inflight.clear()
         self.plan, self.plan_len, self.pos, self.requested = plan, len(plan), 0, 0
-        self.order = order
+        self.replan = replan
         self._top_up()
 
     def _top_up(self) -> None:
@@ -126,82 +128,37 @@ class Prefetcher:
             return
         limit = min(self.plan_len, self.pos + window)
         start = max(self.requested, self.pos)
+        ready, inflight = self.ready, self.inflight
         while start < limit:
             stop = min(start + batch, limit)
             if stop - start < batch and stop < self.plan_len:
                 break  # wait until a whole batch fits in the window
-            ready, inflight = self.ready, self.inflight
             indices = [i for i in plan[start:stop] if i not in ready and i not in inflight]
             self.requested = start = stop
-            if indices and not self._request(indices):
-                self.requested = min(self.requested, self.pos)  # try the window again later
-                return
+            if indices:
+                self._submit(indices)
 
-    def _request(self, indices: list[int], direct: bool = False) -> bool:
-        """Ask the store for ``indices``: on this thread's socket, or via the loop.
-
-        False when the store is skipped (back-off) or failed. A *direct* request (the
-        consumer waits for it) then gets misses in the ready buffer; read-ahead gets
-        nothing, so that no stale miss outlives the failure.
-        """
-        if self.reader is None:
-            self.inflight.update(indices)
-            self.loop.call_soon(self._start_fetch, indices, self.generation)
-            return True
-        cache = self.cache
-        if cache._store_is_down():  # back-off after a failure: do not even try
-            cache.count("skipped", len(indices))
-            if direct:
-                cache.count("keys_requested", len(indices))
-                self.ready.update(zip(indices, cache.count_hits([MISSING] * len(indices))))
-            return False
-        keys = [self.key_of(i) for i in indices]
+    def _submit(self, indices: list[Any], direct: bool = False) -> Ticket:
+        key_of = self.key_of
         try:
-            self.reader.send_mget(keys)  # replies are read when first needed (_wait)
-        except StoreError as exc:
-            self._reader_failed(exc, indices if direct else ())
-            return False
-        cache.count("keys_requested", len(indices))
-        self.sent.append((indices, keys))
-        self.inflight.update(indices)
-        return True
+            keys = [key_of(i) for i in indices]
+        except CacheError:  # an index the key scheme refuses: leave it to the direct read
+            if direct:
+                raise
+            pairs = []
+            for i in indices:
+                try:
+                    pairs.append((i, key_of(i)))
+                except CacheError:
+                    continue
+            indices, keys = [i for i, _ in pairs], [k for _, k in pairs]
+        ticket = Ticket(indices, keys, direct=direct, generation=self.generation)
+        if not direct:
+            self.inflight.update(dict.fromkeys(indices, ticket))
+        self.source.submit(ticket)
+        return ticket
 
-    def _drain(self, block: bool) -> bool:
-        """Deliver the oldest reply (waiting for it with ``block``) and every reply
-        that came with it, parsed from bytes already received. False: none arrived."""
-        reader, cache = self.reader, self.cache
-        blobs = reader.receive_mget(block)  # type: ignore[union-attr]
-        delivered = blobs is not False
-        while blobs is not False:
-            indices, keys = self.sent.popleft()
-            values, manifests = cache.decode_blobs(keys, blobs)  # type: ignore[arg-type]
-            if manifests:  # chunked values: their chunks come through the core's loop
-                self.loop.call(cache.resolve_chunks(keys, manifests, values))
-            cache.count("batches")
-            self.ready.update(zip(indices, cache.count_hits(values)))
-            self.inflight.difference_update(indices)
-            # the replies that came with it, parsed without another system call
-            blobs = reader.receive_mget(False, recv=False) if self.sent else False  # type: ignore[union-attr]
-        return delivered
-
-    def _reader_failed(self, exc: StoreError, direct: Sequence[int] = ()) -> None:
-        """The socket failed: what was on the wire is dropped (its waiters re-read,
-        which the back-off turns into misses), ``direct`` indices become misses now, and
-        the failure is counted and logged by the cache (raised in ``raise`` mode)."""
-        lost = [i for batch, _keys in self.sent for i in batch]
-        self.sent.clear()
-        self.reader.close()  # type: ignore[union-attr]
-        self.inflight.difference_update(lost)
-        self.requested = min(self.requested, self.pos)  # re-request the window later
-        if self.cache.on_error == "raise":
-            self.ready.update(dict.fromkeys([*lost, *direct], _FAILED))
-            self.error = exc
-            return
-        self.cache.count("keys_requested", len(direct))
-        self.ready.update(zip(direct, self.cache.count_hits([MISSING] * len(direct))))
-        self.cache._store_failed("get", exc)
-
-    def _advance(self, index: int) -> bool:
+    def _advance(self, index: Any) -> bool:
         """Move the plan past ``index``; False when the plan does not go there."""
         plan, pos = self.plan, self.pos
         if pos < self.plan_len and plan[pos] == index:
@@ -211,174 +168,171 @@ class Prefetcher:
             if plan[p] == index:  # skipped ahead within the requested window
                 self.pos = p + 1
                 return True
-        if pos >= self.plan_len and self.order is not None:  # next epoch of an order
-            self.set_plan(list(self.order), self.order)
+        if pos >= self.plan_len and self.replan is not None:  # the next epoch of an order
+            replan = self.replan
+            plan = replan()
+            if not plan:  # an order that ran dry: stop following it
+                self.replan = None
+                return False
+            self.set_plan(plan, replan)
             return self._advance(index)
         return False
 
-    def _sequential_from(self, last: int) -> None:
-        """Switch to sequential read-ahead after ``last`` (off-plan contiguous access)."""
-        if last + 1 < self.length:
-            self.set_plan(range(last + 1, self.length))
-
-    def _after(self, index: int, on_plan: bool) -> None:
+    def _after(self, index: Any, on_plan: bool) -> None:
         """Plan bookkeeping after an access that was not a plain in-order hit."""
         self.drop_stale()
         if on_plan:
             if self.requested - self.pos <= self.window - self.batch:
                 self._top_up()
-        elif self.window and index == self.last_index + 1:
+        elif (self.window and self.length is not None and type(index) is int
+              and type(self.last_index) is int and index == self.last_index + 1):
             self._sequential_from(index)
         self.last_index = index
 
-    # -- loop thread ----------------------------------------------------------------------
-    def _start_fetch(self, indices: list[int], generation: int) -> None:
-        task = self.loop.loop.create_task(self._fetch(indices, generation))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+    def _sequential_from(self, last: int) -> None:
+        """Switch to sequential read-ahead after ``last`` (off-plan contiguous access)."""
+        if self.length is not None and last + 1 < self.length:
+            self.set_plan(range(last + 1, self.length))
 
-    async def _fetch(self, indices: list[int], generation: int) -> None:
-        key_of = self.key_of
-        values: list[Any] | None = None
-        try:
-            values = await self.cache.fetch([key_of(i) for i in indices], failed_as_none=True)
-        except Exception as exc:  # raise mode: the consumer re-raises it
-            self.error = exc
-            values = [_FAILED] * len(indices)
-        finally:  # cancelled too: every waiter must be woken
-            self._deliver(indices, values, generation)
+    # -- deliveries -------------------------------------------------------------------------
+    def _deliver(self, tickets: list[Ticket]) -> None:
+        """Move completed read-ahead into the ready buffer; drop what was not read."""
+        generation, ready, inflight = self.generation, self.ready, self.inflight
+        for ticket in tickets:
+            if ticket.direct or ticket.abandoned or ticket.generation != generation:
+                continue
+            _drain(map(inflight.pop, ticket.indices, itertools.repeat(None)))
+            if ticket.partial:
+                ready.update((i, v) for i, v in zip(ticket.indices, ticket.values)
+                             if v is not NOT_READ)
+            else:
+                ready.update(zip(ticket.indices, ticket.values))
 
-    def _deliver(self, indices: list[int], values: list[Any] | None, generation: int) -> None:
-        if values is not None and generation == self.generation:
-            self.ready.update(zip(indices, values))
-        self.inflight.difference_update(indices)
-        if self.waiting:
-            with self.cond:
-                self.cond.notify_all()
+    def _abandon(self, ticket: Ticket) -> None:
+        """The ticket missed its deadline: forget it (a late result is ignored)."""
+        ticket.abandoned = True
+        self.stall_timeouts += 1
+        inflight = self.inflight
+        for index in ticket.indices:
+            if inflight.get(index) is ticket:
+                del inflight[index]
+        if ticket.error is None:
+            ticket.error = StoreTimeout("a read did not complete within its deadline")
 
-    async def cancel_pending(self) -> None:
-        """Cancel read-ahead still in flight and wait for it (loop thread)."""
-        tasks = list(self.tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    def _await(self, index: Any) -> Any:
+        """The value of ``index`` if it is in flight (waiting for it); ``_NOTHING`` if it
+        was never requested or its read failed (fallback; raise mode raises)."""
+        ticket = self.inflight.get(index)
+        if ticket is None:
+            return _NOTHING
+        if not ticket.done:
+            self._deliver(self.source.poll())
+        stalled = not ticket.done
+        if stalled:  # not here yet: a real stall
+            self.stalls += 1
+            started = time.perf_counter()
+            if not self.source.wait(ticket):
+                self._abandon(ticket)
+            self.stall_us += int((time.perf_counter() - started) * 1e6)
+        self._deliver(self.source.poll())
+        value = self.ready.pop(index, _NOTHING)
+        if value is _NOTHING:
+            if self.strict and ticket.error is not None:
+                raise ticket.error
+        elif not stalled:
+            self.prefetch_hits += 1  # it had arrived: only its parsing was deferred
+        return value
 
-    # -- consumer side ------------------------------------------------------------------------
-    def take(self, index: int) -> Any:
-        """The value for ``index`` (MISSING on a store miss); fetched now if not planned."""
+    def _read_direct(self, indices: list[Any]) -> list[Any]:
+        """Values for indices nobody requested yet (or whose read failed): one request,
+        waited for. ``MISSING`` where absent or not readable (raise mode raises)."""
+        self.direct_reads += len(indices)
+        ticket = self._submit(indices, direct=True)
+        if not ticket.done and not self.source.wait(ticket):
+            self._abandon(ticket)
+        self._deliver(self.source.poll())  # read-ahead that completed meanwhile
+        if ticket.abandoned:
+            if self.strict:
+                raise ticket.error  # type: ignore[misc]
+            return [MISSING] * len(indices)
+        values = ticket.values
+        if ticket.partial:
+            if self.strict and ticket.error is not None:
+                raise ticket.error
+            values = [MISSING if v is NOT_READ else v for v in values]
+        return values
+
+    def _result(self, value: Any) -> Any:
+        if value is MISSING:
+            self.misses += 1
+        elif type(value) is Failed:
+            raise value.error
+        else:
+            self.hits += 1
+        return value
+
+    # -- consumer API -----------------------------------------------------------------------
+    def take(self, index: Any) -> Any:
+        """The value for ``index`` (MISSING on a store miss); read now if not planned."""
         value = self.ready.pop(index, _NOTHING)
         if value is not _NOTHING:
-            self.hits += 1
             pos = self.pos
             if pos < self.plan_len and self.plan[pos] == index:  # the common case, inlined
                 self.pos = pos + 1
                 self.last_index = index
+                self.prefetch_hits += 1
                 if self.requested - pos - 1 <= self.window - self.batch:
                     self._top_up()
-            else:
-                self._after(index, self._advance(index))
-                if value is MISSING:
-                    # a read-ahead miss not consumed in plan order may be stale: ask again
-                    self.hits -= 1
-                    self.direct_reads += 1
-                    value = self._read_now([index])[0]
-        else:
-            on_plan = self._advance(index)
-            value = self._wait(index)
-            self._after(index, on_plan)
-            if value is _NOTHING:
-                self.direct_reads += 1
-                value = self._read_now([index])[0]
-        if value is _FAILED:
-            raise self._error()
-        return value
+                return self._result(value)
+            self._after(index, self._advance(index))
+            if value is MISSING:  # out of plan order: it may be older than a write since
+                return self._result(self._read_direct([index])[0])
+            self.prefetch_hits += 1
+            return self._result(value)
+        in_order = self.pos < self.plan_len and self.plan[self.pos] == index
+        on_plan = self._advance(index)
+        value = self._await(index)
+        self._after(index, on_plan)
+        if value is _NOTHING or (value is MISSING and not in_order):
+            value = self._read_direct([index])[0]
+        return self._result(value)
 
-    def take_many(self, indices: Sequence[int]) -> list[Any]:
+    def take_many(self, indices: Sequence[Any]) -> list[Any]:
         """Values for a whole batch: ready ones, awaited ones, then one request for the rest."""
-        pop, advance = self.ready.pop, self._advance
+        pop = self.ready.pop
         out = [pop(i, _NOTHING) for i in indices]
-        contiguous = bool(indices) and indices[0] == self.last_index + 1 and all(
-            b == a + 1 for a, b in itertools.pairwise(indices))
-        in_order: list[bool] = []
+        contiguous = (bool(indices) and type(indices[0]) is int
+                      and type(self.last_index) is int and indices[0] == self.last_index + 1
+                      and all(b == a + 1 for a, b in itertools.pairwise(indices)))
         on_plan = False
-        for index in indices:
+        in_order = []
+        for n, index in enumerate(indices):
             in_order.append(self.pos < self.plan_len and self.plan[self.pos] == index)
-            on_plan = advance(index) or on_plan
-        for n, value in enumerate(out):
+            on_plan = self._advance(index) or on_plan
+            value = out[n]
             if value is MISSING and not in_order[n]:
-                out[n] = _NOTHING  # a read-ahead miss not consumed in plan order may be stale
+                out[n] = _NOTHING  # out of plan order: it may be older than a write since
+            elif value is not _NOTHING:
+                self.prefetch_hits += 1
         todo = []
         for n, value in enumerate(out):
             if value is _NOTHING:
-                value = out[n] = self._wait(indices[n])
-                if value is _NOTHING:
+                value = out[n] = self._await(indices[n])
+                if value is _NOTHING or (value is MISSING and not in_order[n]):
                     todo.append(n)
-            else:
-                self.hits += 1
         if indices:
+            self.drop_stale()
             if on_plan:
                 self._top_up()
-            elif contiguous and self.window:
+            elif contiguous and self.window and self.length is not None:
                 self._sequential_from(indices[-1])
             self.last_index = indices[-1]
         if todo:
-            self.direct_reads += len(todo)
-            values = self._read_now([indices[n] for n in todo])
-            for n, value in zip(todo, values):
-                out[n] = value
-        if any(v is _FAILED for v in out):
-            raise self._error()
-        return out
-
-    def _read_now(self, indices: list[int]) -> list[Any]:
-        """Values for indices nobody requested yet: one request, waited for."""
-        self.loop.check_caller()  # blocking here would stall (or deadlock) the loop
-        if self.reader is None:
-            return self.loop.call(self.cache.fetch([self.key_of(i) for i in indices]))
-        unique = list(dict.fromkeys(indices))
-        self._request(unique, direct=True)
-        values = {i: self._wait(i, read_ahead=False) for i in unique}
-        return [MISSING if values[i] is _NOTHING else values[i] for i in indices]
-
-    def _wait(self, index: int, read_ahead: bool = True) -> Any:
-        """Wait for ``index`` if it is in flight; ``_NOTHING`` if it was never requested.
-
-        ``read_ahead``: the index was requested ahead (its arrival counts as a prefetch
-        hit, its wait as a stall); False for a direct read the consumer asked for now."""
-        if index not in self.inflight:
-            return self.ready.pop(index, _NOTHING)  # delivered just now, or not planned
-        if self.reader is not None:
-            started = 0.0
-            while index in self.inflight:
-                try:
-                    if not self._drain(block=False):  # not here yet: a real stall
-                        if not started:
-                            started = time.perf_counter()
-                            self.stalls += read_ahead
-                        self._drain(block=True)
-                except StoreError as exc:
-                    self._reader_failed(exc)
-            if started:
-                self.stall_us += int((time.perf_counter() - started) * 1e6)
-            else:
-                self.hits += read_ahead  # it had arrived: only its parsing was deferred
-            return self.ready.pop(index, _NOTHING)
-        self.stalls += 1
-        started = time.perf_counter()
-        deadline = started + self.wait_timeout
-        with self.cond:
-            self.waiting = True
-            try:
-                while index not in self.ready and index in self.inflight:
-                    remaining = deadline - time.perf_counter()
-                    if remaining <= 0:
-                        self.stall_timeouts += 1
-                        return MISSING  # the store is too slow: compute it instead
-                    self.cond.wait(remaining)
-            finally:
-                self.waiting = False
-        self.stall_us += int((time.perf_counter() - started) * 1e6)
-        return self.ready.pop(index, _NOTHING)
+            unique = list(dict.fromkeys(indices[n] for n in todo))
+            fetched = dict(zip(unique, self._read_direct(unique)))
+            for n in todo:
+                out[n] = fetched[indices[n]]
+        return [self._result(v) for v in out]
 
     def drop_stale(self) -> None:
         """Forget ready values the consumer skipped, so the buffer stays bounded."""
@@ -390,13 +344,7 @@ class Prefetcher:
                 self.wasted += 1
 
     def close(self) -> None:
-        """Close the consumer-side socket (in-flight read-ahead is dropped)."""
-        if self.reader is not None:
-            self.reader.close()
-        self.sent.clear()
+        """Release the source (in-flight read-ahead is dropped)."""
+        self.source.close()
         self.inflight.clear()
-
-    def _error(self) -> BaseException:
-        error = self.error or CacheError("prefetch failed")
-        self.error = None
-        return error
+        self.ready.clear()

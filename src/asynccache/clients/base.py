@@ -11,6 +11,16 @@ loop thread.
 Bytes in, bytes out: keys are ``bytes``, values are ``bytes``; a missing key is ``None``.
 Every operation is bounded by ``timeout`` seconds and raises only
 :class:`~asynccache.errors.StoreError` subclasses for store trouble.
+
+Two levels of operations:
+
+* ``get_many`` / ``set_many`` / ``delete_many`` / ``ping``: all or nothing; what a simple
+  provider implements.
+* ``read`` / ``write``: what the core calls. They never raise for store trouble: they
+  report it per **node** (``ReadResult.failures``), skip the nodes the failure policy
+  says are backing off, and mark keys they could not read as ``NOT_READ``. For a
+  single-server store the defaults wrap the first level; a pool or a cluster overrides
+  them so that one dead node costs only its own keys.
 """
 
 from __future__ import annotations
@@ -19,13 +29,23 @@ import asyncio
 import os
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Mapping, Sequence
-from typing import Any, ClassVar, Generic, TypeVar
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from .._fork import park_inherited
-from ..errors import StoreTimeout
+from ..errors import StoreError, StoreTimeout
 
-__all__ = ["DEFAULT_CONNECT_TIMEOUT", "DEFAULT_TIMEOUT", "BaseClient"]
+__all__ = [
+    "DEFAULT_CONNECT_TIMEOUT",
+    "DEFAULT_TIMEOUT",
+    "NOT_READ",
+    "BaseClient",
+    "BlockingGetConnection",
+    "ConsumerReads",
+    "ReadResult",
+    "WriteResult",
+]
 
 DEFAULT_TIMEOUT = 1.0
 DEFAULT_CONNECT_TIMEOUT = 1.0
@@ -34,6 +54,85 @@ DEFAULT_MAX_CONNECTIONS = 8
 
 StateT = TypeVar("StateT")
 T = TypeVar("T")
+
+
+class _NotRead:
+    """Sentinel: a key that was not read (its node failed or is backing off).
+
+    Not the same as ``None`` (read, and absent): read-ahead drops a ``NOT_READ`` key
+    instead of remembering it as a miss, so a failure never outlives itself.
+    """
+
+    _instance: _NotRead | None = None
+
+    def __new__(cls) -> _NotRead:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "NOT_READ"
+
+    def __reduce__(self) -> str:
+        return "NOT_READ"
+
+
+NOT_READ: Any = _NotRead()
+
+
+@dataclass(slots=True)
+class ReadResult:
+    """One read: a value per key (``None``: absent, ``NOT_READ``: not read), and per node
+    what failed, who answered, and how many keys were skipped (node backing off)."""
+
+    values: list[Any]
+    failures: dict[str, StoreError] = field(default_factory=dict)
+    answered: list[str] = field(default_factory=list)
+    skipped: int = 0
+
+
+@dataclass(slots=True)
+class WriteResult:
+    """One write: per node what failed (its keys were not written), per key what the
+    store refused (``StoreRejected``), who answered, and the keys written."""
+
+    written: int = 0
+    failures: dict[str, StoreError] = field(default_factory=dict)
+    failed_keys: int = 0
+    rejected: dict[bytes, StoreError] = field(default_factory=dict)
+    answered: list[str] = field(default_factory=list)
+    skipped: int = 0
+
+
+class BlockingGetConnection(Protocol):
+    """A pipelined multi-get connection the consumer thread drives itself (no event loop).
+
+    Requests are answered in order. Every request has a deadline (``timeout`` after it
+    was sent): past it :meth:`receive` raises ``StoreTimeout`` and the connection is
+    closed, so a stuck or trickling server costs at most one timeout.
+    """
+
+    node: str
+
+    def send_get(self, keys: Sequence[bytes]) -> None:
+        """Queue one multi-get; raises StoreError (the connection is then closed)."""
+
+    def poll(self) -> list[list[Any]]:
+        """Every reply that has fully arrived, without blocking."""
+
+    def receive(self) -> list[Any]:
+        """The next reply, waiting at most until the oldest request's deadline."""
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerReads:
+    """What a store offers for reads on the consumer's own sockets: its connections (one
+    per node) and ``route(keys)`` → ``[(connection index, positions of keys)]``."""
+
+    connections: list[BlockingGetConnection]
+    route: Callable[[Sequence[bytes]], list[tuple[int, list[int]]]]
 
 
 class BaseClient(ABC, Generic[StateT]):
@@ -176,9 +275,42 @@ class BaseClient(ABC, Generic[StateT]):
     async def ping(self) -> None:
         """Round trip to every server; raises StoreError when one does not answer."""
 
-    def blocking_reader(self) -> Any:
-        """A reader the consumer thread can drive itself (see ``blocking_resp``), or
-        None when this store's reads must go through the event loop."""
+    # -- what the core calls: per-node results, never raising for store trouble -------
+    @property
+    def node_names(self) -> tuple[str, ...]:
+        """The nodes failures are tracked for; one (the URL) for a single server."""
+        return (self.safe_url,)
+
+    async def read(self, keys: Sequence[bytes], skip: Collection[str] = ()) -> ReadResult:
+        """Values for ``keys``; failures reported per node, never raised."""
+        node = self.node_names[0]
+        if node in skip:
+            return ReadResult([NOT_READ] * len(keys), skipped=len(keys))
+        try:
+            values: list[Any] = list(await self.get_many(keys))
+        except StoreError as exc:
+            return ReadResult([NOT_READ] * len(keys), failures={node: exc})
+        except Exception as exc:  # a provider bug must not stop training either
+            return ReadResult([NOT_READ] * len(keys), failures={node: _foreign(self, exc)})
+        return ReadResult(values, answered=[node])
+
+    async def write(self, entries: Mapping[bytes, bytes], ttl: float | None = None,
+                    skip: Collection[str] = ()) -> WriteResult:
+        """Store ``entries``; failures reported per node (and per refused key)."""
+        node = self.node_names[0]
+        if node in skip:
+            return WriteResult(skipped=len(entries))
+        try:
+            await self.set_many(entries, ttl)
+        except StoreError as exc:
+            return WriteResult(failures={node: exc}, failed_keys=len(entries))
+        except Exception as exc:
+            return WriteResult(failures={node: _foreign(self, exc)}, failed_keys=len(entries))
+        return WriteResult(written=len(entries), answered=[node])
+
+    def consumer_reads(self) -> ConsumerReads | None:
+        """Connections the consumer thread can drive itself (read-ahead without a thread
+        hop), or None when this store's reads go through the event loop."""
         return None
 
     async def get(self, key: bytes) -> bytes | None:
@@ -186,6 +318,12 @@ class BaseClient(ABC, Generic[StateT]):
 
     async def set(self, key: bytes, value: bytes, ttl: float | None = None) -> None:
         await self.set_many({key: value}, ttl)
+
+
+def _foreign(client: BaseClient[Any], exc: Exception) -> StoreError:
+    error = StoreError(f"{client.safe_url}: the store client raised {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
 
 
 def chunked(seq: Sequence[T], size: int) -> list[Sequence[T]]:

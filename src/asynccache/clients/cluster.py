@@ -13,10 +13,35 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import redis.exceptions as rexc
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 
+from ..errors import StoreError, StoreTimeout, StoreUnavailable
 from .base import BaseClient, chunked
-from .redis import run_translated
+
+
+def translate_redis_error(exc: BaseException, where: str) -> StoreError:
+    """Map redis-py's exceptions (which shadow builtins) onto ours."""
+    if isinstance(exc, rexc.TimeoutError | asyncio.TimeoutError):
+        return StoreTimeout(f"redis timed out during {where}: {exc}")
+    if isinstance(exc, rexc.AuthenticationError | rexc.AuthenticationWrongNumberOfArgsError):
+        return StoreUnavailable(
+            f"redis refused the credentials during {where}: {exc}; check user/password in the URL"
+        )
+    if isinstance(exc, rexc.ConnectionError | OSError | EOFError | RuntimeError):
+        return StoreUnavailable(f"redis connection failed during {where}: {exc}")
+    return StoreError(f"redis error during {where}: {type(exc).__name__}: {exc}")
+
+
+async def run_translated(client: BaseClient[Any], coro: Any, where: str) -> Any:
+    """Await a redis-py call with the client's timeout, translating its exceptions."""
+    try:
+        return await client._bounded(coro, where)
+    except StoreError:
+        raise
+    except (rexc.RedisError, OSError, EOFError, RuntimeError) as exc:
+        # RuntimeError: uvloop's "handler is closed" when writing to a reset socket
+        raise translate_redis_error(exc, where) from exc
 
 __all__ = ["RedisClusterClient"]
 

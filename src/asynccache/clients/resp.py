@@ -8,68 +8,45 @@ thread that shares the GIL with the training loop, so that overhead *is* the cos
 cached read. This module keeps only what an ``MGET`` needs: one connection per loop,
 requests written back to back (pipelined), replies parsed by ``hiredis.Reader`` and
 handed to waiting futures in order. redis-py stays in charge of everything else
-(writes, deletes, TLS, cluster).
+(writes, deletes, TLS, cluster topology).
 
 Ordering safety: every request owns a slot in a FIFO of futures. A caller that gives
 up (timeout, cancellation) leaves its slot in place, so a late reply is consumed by
 its own slot and can never be read as the answer to the next request. After a timeout
 the connection is closed anyway (a store that does not answer is not trusted to).
+
+Idle connections: a server may close a connection that sat idle (Redis ``timeout``).
+When a request sent on an idle connection finds it closed before any reply arrived,
+it is sent once more on a fresh connection: a server-closed idle connection costs no
+error.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
-import hiredis
-
 from ..errors import StoreError, StoreTimeout, StoreUnavailable
+from ..protocol.resp import check_mget_reply, new_parser, pack_mget, setup_refused
+from .endpoint import RedisEndpoint
 
-__all__ = ["RespConnection", "pack_command", "pack_mget", "setup_commands", "setup_refused"]
+#: One request: the buffers of one command, written back to back (values not copied).
+Request = Sequence[bytes | memoryview]
 
-
-def pack_command(*args: bytes) -> bytes:
-    """RESP encoding of one command whose arguments are already bytes."""
-    parts = [b"*%d\r\n" % len(args)]
-    parts.extend(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
-    return b"".join(parts)
-
-
-def setup_commands(username: str | None, password: str | None, db: int) -> list[bytes]:
-    """``AUTH`` and ``SELECT`` a new connection needs, packed (empty when none)."""
-    setup = []
-    if password is not None:
-        user = (username.encode(),) if username else ()
-        setup.append(pack_command(b"AUTH", *user, password.encode()))
-    if db:
-        setup.append(pack_command(b"SELECT", str(db).encode()))
-    return setup
-
-
-def setup_refused(where: str, replies: Sequence[Any]) -> StoreUnavailable | None:
-    """The error to raise when the server refused a setup command, else None."""
-    for reply in replies:
-        if isinstance(reply, hiredis.ReplyError):
-            return StoreUnavailable(f"redis {where} refused the credentials or database: "
-                                    f"{reply}; check user/password/db in the URL")
-    return None
-
-
-def pack_mget(keys: Sequence[bytes]) -> bytes:
-    parts = [b"*%d\r\n$4\r\nMGET\r\n" % (len(keys) + 1)]
-    parts.extend(b"$%d\r\n%s\r\n" % (len(k), k) for k in keys)
-    return b"".join(parts)
+__all__ = ["RespConnection"]
 
 
 class _Protocol(asyncio.Protocol):
     def __init__(self, where: str) -> None:
         self.where = where
-        self.reader = hiredis.Reader()
+        self.reader = new_parser()
         self.waiters: collections.deque[asyncio.Future[Any]] = collections.deque()
         self.transport: asyncio.Transport | None = None
         self.failure: StoreError | None = None
+        self.replies = 0  # replies received so far on this connection
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -79,10 +56,11 @@ class _Protocol(asyncio.Protocol):
         waiters = self.waiters
         try:
             while (reply := self.reader.gets()) is not False:
+                self.replies += 1
                 fut = waiters.popleft()
                 if not fut.done():
                     fut.set_result(reply)
-        except (hiredis.ProtocolError, IndexError) as exc:
+        except Exception as exc:  # hiredis.ProtocolError, or a reply nobody asked for
             self.fail(StoreError(f"redis {self.where} sent an unexpected reply: {exc!r}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -104,12 +82,8 @@ class _Protocol(asyncio.Protocol):
 class RespConnection:
     """One pipelined connection to a Redis-protocol server, opened lazily."""
 
-    def __init__(self, *, host: str | None, port: int | None, unix_socket_path: str | None,
-                 username: str | None, password: str | None, db: int,
-                 timeout: float, connect_timeout: float, where: str) -> None:
-        self.host, self.port, self.unix_socket_path = host, port, unix_socket_path
-        self.username, self.password, self.db = username, password, db
-        self.timeout, self.connect_timeout, self.where = timeout, connect_timeout, where
+    def __init__(self, endpoint: RedisEndpoint) -> None:
+        self.endpoint = endpoint
         self._proto: _Protocol | None = None
         self._connecting: asyncio.Future[_Protocol] | None = None
 
@@ -126,29 +100,33 @@ class RespConnection:
                 self._connecting = None
 
     async def _connect(self) -> _Protocol:
+        ep = self.endpoint
         loop = asyncio.get_running_loop()
-        proto = _Protocol(self.where)
+        proto = _Protocol(ep.where)
         try:
-            if self.unix_socket_path:
-                coro = loop.create_unix_connection(lambda: proto, self.unix_socket_path)
+            if ep.unix_socket_path:
+                coro = loop.create_unix_connection(lambda: proto, ep.unix_socket_path)
             else:
-                coro = loop.create_connection(lambda: proto, self.host, self.port)
-            await asyncio.wait_for(coro, self.connect_timeout)
+                tls = ep.ssl_context()
+                coro = loop.create_connection(
+                    lambda: proto, ep.host, ep.port, ssl=tls,
+                    server_hostname=ep.host if tls is not None else None)
+            await asyncio.wait_for(coro, ep.connect_timeout)
         except asyncio.TimeoutError as exc:
-            raise StoreTimeout(f"connecting to redis {self.where} took over "
-                               f"{self.connect_timeout:g}s") from exc
+            raise StoreTimeout(f"connecting to redis {ep.where} took over "
+                               f"{ep.connect_timeout:g}s") from exc
         except OSError as exc:
-            raise StoreUnavailable(f"cannot connect to redis {self.where}: {exc}") from exc
-        setup = setup_commands(self.username, self.password, self.db)
+            raise StoreUnavailable(f"cannot connect to redis {ep.where}: {exc}") from exc
+        setup = ep.setup_requests()
         if setup:
-            refused = setup_refused(self.where, await self._send(proto, setup))
+            refused = setup_refused(ep.where, await self._send(proto, [[r] for r in setup]))
             if refused is not None:
                 proto.fail(refused)
                 raise refused
         self._proto = proto
         return proto
 
-    async def _send(self, proto: _Protocol, packed: list[bytes]) -> list[Any]:
+    async def _send(self, proto: _Protocol, requests: Sequence[Request]) -> list[Any]:
         """Write requests back to back and wait for their replies (bounded).
 
         One timer for the whole exchange (a ``call_later`` handle, not ``wait_for``,
@@ -157,10 +135,10 @@ class RespConnection:
         if proto.failure is not None:
             raise proto.failure
         loop = asyncio.get_running_loop()
-        futures = [loop.create_future() for _ in packed]
+        futures = [loop.create_future() for _ in requests]
         proto.waiters.extend(futures)
-        proto.transport.writelines(packed)  # type: ignore[union-attr]
-        timer = loop.call_later(self.timeout, self._expire, proto)
+        proto.transport.writelines(itertools.chain.from_iterable(requests))  # type: ignore[union-attr]
+        timer = loop.call_later(self.endpoint.timeout, self._expire, proto)
         try:
             return [await fut for fut in futures]
         except BaseException:
@@ -175,18 +153,30 @@ class RespConnection:
 
     def _expire(self, proto: _Protocol) -> None:
         proto.fail(StoreTimeout(
-            f"redis {self.where} did not answer within {self.timeout:g}s; "
+            f"redis {self.endpoint.where} did not answer within {self.endpoint.timeout:g}s; "
             "raise `timeout=` in connect() if the store is just slow"))
+
+    async def execute(self, requests: Sequence[Request]) -> list[Any]:
+        """Send every request pipelined; their replies in order (error replies included,
+        as ``hiredis.ReplyError`` values). Commands must be idempotent: one that found an
+        idle connection closed by the server is sent once more."""
+        proto = await self._connected()
+        idle, replies_before = not proto.waiters, proto.replies
+        try:
+            return await self._send(proto, requests)
+        except StoreUnavailable:
+            if not (idle and proto.replies == replies_before):
+                raise
+            # the server had closed the idle connection: once more on a fresh one
+            return await self._send(await self._connected(), requests)
 
     async def mget(self, chunks: Sequence[Sequence[bytes]]) -> list[bytes | None]:
         """Values of every key of every chunk, one pipelined MGET per chunk, in order."""
-        proto = await self._connected()
-        replies = await self._send(proto, [pack_mget(chunk) for chunk in chunks])
+        replies = await self.execute([[pack_mget(chunk)] for chunk in chunks])
         out: list[bytes | None] = []
+        where = self.endpoint.where
         for reply in replies:
-            if isinstance(reply, hiredis.ReplyError):
-                raise StoreError(f"redis {self.where} answered MGET with an error: {reply}")
-            out.extend(reply)
+            out.extend(check_mget_reply(reply, where))
         return out
 
     def close(self) -> None:

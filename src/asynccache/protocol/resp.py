@@ -1,0 +1,112 @@
+"""RESP (Redis/Valkey) requests and replies for the lean read path; parsing is hiredis'.
+
+Why only this much: reads on the hot path are ``MGET`` (a single server) or pipelined
+``MGET`` per hash slot (a cluster), and each connection first sends ``AUTH``/``SELECT``.
+Everything else (writes, deletes, cluster topology) goes through redis-py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import hiredis
+
+from ..errors import StoreError, StoreUnavailable
+
+__all__ = [
+    "check_mget_reply",
+    "new_parser",
+    "pack_command",
+    "pack_mget",
+    "setup_commands",
+    "setup_refused",
+]
+
+
+def new_parser() -> hiredis.Reader:
+    """A reply parser: ``feed(bytes)``, then ``gets()`` until it returns False."""
+    return hiredis.Reader()
+
+
+def pack_command(*args: bytes) -> bytes:
+    """RESP encoding of one command whose arguments are already bytes."""
+    parts = [b"*%d\r\n" % len(args)]
+    parts.extend(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+    return b"".join(parts)
+
+
+def pack_mget(keys: Sequence[bytes]) -> bytes:
+    parts = [b"*%d\r\n$4\r\nMGET\r\n" % (len(keys) + 1)]
+    parts.extend(b"$%d\r\n%s\r\n" % (len(k), k) for k in keys)
+    return b"".join(parts)
+
+
+def setup_commands(username: str | None, password: str | None, db: int) -> list[bytes]:
+    """``AUTH`` and ``SELECT`` a new connection needs, packed (empty when none)."""
+    setup = []
+    if password is not None:
+        user = (username.encode(),) if username else ()
+        setup.append(pack_command(b"AUTH", *user, password.encode()))
+    if db:
+        setup.append(pack_command(b"SELECT", str(db).encode()))
+    return setup
+
+
+def setup_refused(where: str, replies: Sequence[Any]) -> StoreUnavailable | None:
+    """The error to raise when the server refused a setup command, else None."""
+    for reply in replies:
+        if isinstance(reply, hiredis.ReplyError):
+            return StoreUnavailable(f"redis {where} refused the credentials or database: "
+                                    f"{reply}; check user/password/db in the URL")
+    return None
+
+
+def check_mget_reply(reply: Any, where: str) -> list[Any]:
+    """The values of an ``MGET`` reply; an error reply becomes a StoreError."""
+    if isinstance(reply, list):
+        return reply
+    if isinstance(reply, hiredis.ReplyError):
+        text = str(reply)
+        if text.startswith(("LOADING", "BUSY", "MASTERDOWN", "NOAUTH", "NOPERM")):
+            return_error: StoreError = StoreUnavailable(f"redis {where} cannot serve reads: {text}")
+        else:
+            return_error = StoreError(f"redis {where} answered MGET with an error: {text}")
+        raise return_error
+    raise StoreError(f"redis {where} answered MGET with {type(reply).__name__}, not an array")
+
+
+def pack_set(key: bytes, value: bytes | memoryview, ttl_ms: int | None) -> list[Any]:
+    """``SET key value [PX ttl]`` as buffers for ``writelines`` (the value is not copied)."""
+    size = memoryview(value).nbytes
+    if ttl_ms is None:
+        head = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, size)
+        return [head, value, b"\r\n"]
+    ttl = b"%d" % ttl_ms
+    head = b"*5\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, size)
+    return [head, value, b"\r\n$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ttl), ttl)]
+
+
+def pack_delete(keys: Sequence[bytes]) -> bytes:
+    return pack_command(b"DEL", *keys)
+
+
+PING = pack_command(b"PING")
+
+
+def is_error(reply: Any) -> bool:
+    return isinstance(reply, hiredis.ReplyError)
+
+
+def explain_rejection(reply: Any, where: str, size: int) -> str:
+    """What a refused SET means, and which server setting to change."""
+    text = str(reply)
+    if text.startswith("OOM"):
+        return (f"redis {where} is full and refuses writes ({text}): its maxmemory is reached "
+                "with a noeviction policy; set maxmemory-policy allkeys-lru (a cache should "
+                "evict) or raise maxmemory")
+    if "bulk" in text.lower() or "too large" in text.lower():
+        return (f"redis {where} refused a {size}-byte value ({text}): raise its "
+                "proto-max-bulk-len, or pass item_size= to connect() so asynccache chunks "
+                "values below the server's limit")
+    return f"redis {where} refused a {size}-byte value: {text}"

@@ -1,0 +1,276 @@
+"""Where a prefetcher's reads go: one small interface, two implementations.
+
+A :class:`ReadSource` takes :class:`Ticket` s (a batch of keys), works on them in the
+background, and hands them back completed — values decoded, one per key — through
+:meth:`ReadSource.poll` (never blocks) or :meth:`ReadSource.wait` (blocks, bounded).
+Failures travel as data: a ticket whose node failed carries ``NOT_READ`` for the keys
+it could not read and the error in ``ticket.error``; the failure was already reported to
+the cache's :class:`~asynccache.health.FailurePolicy` (counted, logged once, node backed
+off), so the prefetcher only decides what the consumer sees.
+
+* :class:`SocketSource` — reads on the consumer thread's own sockets
+  (:class:`~asynccache.clients.base.BlockingGetConnection`, one per node): requests are
+  sent when the window has room, replies parsed when the consumer looks. No thread hop,
+  no GIL hand-off: a hit stays a ``dict.pop``. Used when the client offers it
+  (``client.consumer_reads()``: plain Redis/Valkey today).
+* :class:`LoopSource` — reads through the asyncio core on the process's loop thread
+  (any client: memcached, Redis Cluster, TLS, third-party providers). A batch costs one
+  ``call_soon_threadsafe`` there and one append back; the consumer is woken only if it
+  waits.
+
+A source belongs to one consumer thread: its state is that thread's (the loop thread
+only appends completed tickets to a deque, which is thread-safe).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+from .clients.base import NOT_READ, ConsumerReads
+from .core import AsyncKVCache
+from .errors import CacheError, LoopError, StoreError
+from .loop import LoopThread
+
+__all__ = ["LoopSource", "ReadSource", "SocketSource", "Ticket"]
+
+
+class Ticket:
+    """One read of a batch of keys, from submission to its values."""
+
+    __slots__ = ("abandoned", "deadline", "direct", "done", "error", "generation", "indices",
+                 "keys", "partial", "remaining", "values")
+
+    def __init__(self, indices: list[Any], keys: list[bytes], *, direct: bool = False,
+                 generation: int = 0) -> None:
+        self.indices = indices
+        self.keys = keys
+        self.direct = direct          # the consumer waits for it now (not read-ahead)
+        self.generation = generation  # the prefetcher's plan generation it belongs to
+        self.values: list[Any] = []
+        self.error: CacheError | None = None
+        self.partial = False          # some values are NOT_READ
+        self.done = False
+        self.abandoned = False        # the consumer stopped waiting: ignore its result
+        self.deadline = 0.0
+        self.remaining = 0            # parts still on the wire (SocketSource)
+
+
+class ReadSource(ABC):
+    """The prefetcher's I/O, behind one interface (tests use a scripted fake)."""
+
+    @abstractmethod
+    def submit(self, ticket: Ticket) -> None:
+        """Start reading ``ticket.keys``; returns without waiting for the store."""
+
+    @abstractmethod
+    def poll(self) -> list[Ticket]:
+        """Tickets completed since the last call, without blocking."""
+
+    @abstractmethod
+    def wait(self, ticket: Ticket) -> bool:
+        """Block until ``ticket`` completes; False if it could not within its deadline."""
+
+    def close(self) -> None:
+        """Drop what is in flight and release connections (the consumer thread's)."""
+        return None
+
+    async def cancel_pending(self) -> None:
+        """Cancel loop-side work still running (called on the loop thread)."""
+        return None
+
+
+class SocketSource(ReadSource):
+    """Read-ahead on the consumer's own connections, one per node."""
+
+    def __init__(self, cache: AsyncKVCache, reads: ConsumerReads, loop: LoopThread) -> None:
+        self.cache = cache
+        self.policy = cache.policy
+        self.loop = loop
+        self.conns = reads.connections
+        self.route = reads.route
+        #: per connection, the ticket parts on its wire, oldest first: (ticket, positions)
+        self.parts: list[collections.deque[tuple[Ticket, list[int] | None]]] = [
+            collections.deque() for _ in self.conns]
+        self.completed: list[Ticket] = []
+
+    def submit(self, ticket: Ticket) -> None:
+        keys = ticket.keys
+        ticket.values = [NOT_READ] * len(keys)
+        down = self.policy.down()
+        routes: Sequence[tuple[int, list[int] | None]]
+        routes = [(0, None)] if len(self.conns) == 1 else self.route(keys)
+        skipped = 0
+        for ci, positions in routes:
+            conn = self.conns[ci]
+            if conn.node in down:
+                skipped += len(keys) if positions is None else len(positions)
+                ticket.partial = True
+                continue
+            try:
+                conn.send_get(keys if positions is None else [keys[p] for p in positions])
+            except StoreError as exc:
+                ticket.partial = True
+                ticket.error = ticket.error or exc
+                self._lost(ci, exc)
+                continue
+            self.parts[ci].append((ticket, positions))
+            ticket.remaining += 1
+        counters = self.cache.counters.shard()
+        counters["keys_requested"] += len(keys)
+        if skipped:
+            self.policy.skipped(skipped)
+        if not ticket.remaining:
+            self._finish(ticket)
+
+    def poll(self) -> list[Ticket]:
+        for ci, conn in enumerate(self.conns):
+            if not self.parts[ci]:
+                continue
+            try:
+                replies = conn.poll()
+            except StoreError as exc:
+                self._lost(ci, exc)
+                continue
+            for reply in replies:
+                self._arrived(ci, reply)
+        completed, self.completed = self.completed, []
+        return completed
+
+    def wait(self, ticket: Ticket) -> bool:
+        while not ticket.done:
+            ci = next(ci for ci, parts in enumerate(self.parts)
+                      if any(t is ticket for t, _ in parts))
+            try:
+                reply = self.conns[ci].receive()
+            except StoreError as exc:
+                self._lost(ci, exc)
+                continue
+            self._arrived(ci, reply)
+        return True
+
+    def _arrived(self, ci: int, reply: list[Any]) -> None:
+        ticket, positions = self.parts[ci].popleft()
+        if positions is None:
+            ticket.values = reply
+        else:
+            values = ticket.values
+            for position, value in zip(positions, reply):
+                values[position] = value
+        self.policy.succeeded(self.conns[ci].node)
+        ticket.remaining -= 1
+        if not ticket.remaining:
+            self._finish(ticket)
+
+    def _lost(self, ci: int, exc: StoreError) -> None:
+        """Connection ``ci`` broke (it closed itself): every part on its wire is lost."""
+        self.policy.failed(self.conns[ci].node, "get", exc)
+        parts = self.parts[ci]
+        while parts:
+            ticket, _positions = parts.popleft()
+            ticket.partial = True
+            ticket.error = ticket.error or exc
+            ticket.remaining -= 1
+            if not ticket.remaining:
+                self._finish(ticket)
+
+    def _finish(self, ticket: Ticket) -> None:
+        cache = self.cache
+        values, manifests = cache.decode_blobs(ticket.keys, ticket.values)
+        if manifests:  # chunked values: their chunks come through the core's loop
+            try:
+                self.loop.call(cache.resolve_chunks(ticket.keys, manifests, values),
+                               cache.client.timeout * 2 + 1)
+            except (concurrent.futures.TimeoutError, CacheError):
+                pass  # the chunked values stay misses; the core counted what failed
+        cache.counters.shard()["batches"] += 1
+        ticket.values = values
+        ticket.done = True
+        self.completed.append(ticket)
+
+    def close(self) -> None:
+        for conn in self.conns:
+            conn.close()
+        for parts in self.parts:
+            parts.clear()
+
+
+class LoopSource(ReadSource):
+    """Read-ahead through the asyncio core on the loop thread, handed back per batch."""
+
+    def __init__(self, cache: AsyncKVCache, loop: LoopThread, wait_timeout: float) -> None:
+        self.cache = cache
+        self.loop = loop
+        self.wait_timeout = wait_timeout
+        self.completed: collections.deque[Ticket] = collections.deque()
+        self.cond = threading.Condition(threading.Lock())
+        self.waiting = False
+        self.tasks: set[asyncio.Task[None]] = set()  # loop thread only: strong refs
+
+    def submit(self, ticket: Ticket) -> None:
+        ticket.deadline = time.monotonic() + self.wait_timeout
+        self.loop.call_soon(self._start, ticket)
+
+    def _start(self, ticket: Ticket) -> None:  # loop thread
+        task = self.loop.loop.create_task(self._read(ticket))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _read(self, ticket: Ticket) -> None:  # loop thread
+        values: list[Any] | None = None
+        try:
+            values, ticket.error = await self.cache.read_values(ticket.keys)
+        except CacheError as exc:  # e.g. a key the policy refused; never lose the ticket
+            ticket.error = exc
+        except Exception as exc:  # an asynccache bug must not hang the consumer
+            ticket.error = StoreError(f"read-ahead failed: {type(exc).__name__}: {exc}")
+        finally:  # cancelled too: every waiter must be woken
+            if values is None:
+                values = [NOT_READ] * len(ticket.keys)
+            ticket.partial = any(v is NOT_READ for v in values)
+            ticket.values = values
+            ticket.done = True
+            self.completed.append(ticket)
+            if self.waiting:
+                with self.cond:
+                    self.cond.notify_all()
+
+    def poll(self) -> list[Ticket]:
+        completed = self.completed
+        out = []
+        while completed:
+            out.append(completed.popleft())
+        return out
+
+    def wait(self, ticket: Ticket) -> bool:
+        if ticket.done:
+            return True
+        if self.loop.in_loop_thread():
+            raise LoopError("a pipe read was called from asynccache's own loop thread, which "
+                            "would deadlock; inside async code use AsyncKVCache directly")
+        with self.cond:
+            self.waiting = True  # set before looking at ticket.done (see _read's order)
+            try:
+                while not ticket.done:
+                    remaining = ticket.deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    self.cond.wait(remaining)
+            finally:
+                self.waiting = False
+        return True
+
+    def close(self) -> None:
+        self.completed.clear()
+
+    async def cancel_pending(self) -> None:
+        tasks = list(self.tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
