@@ -1023,8 +1023,19 @@ def test_invalid_chunk_size(chunk_size: Any) -> None:
         ChunkManifest.for_blob(b"abc", chunk_size)
 
 
-def test_min_chunk_size_bounds_the_chunk_count() -> None:
-    assert Codec().max_value_bytes // MIN_CHUNK_SIZE == 262_144
+def test_largest_manifest_at_the_bounds_is_accepted() -> None:
+    """size == max_value_bytes in MIN_CHUNK_SIZE chunks: the most chunks a reader requests."""
+    codec = Codec()
+    size = codec.max_value_bytes
+    widest = ChunkManifest(size // MIN_CHUNK_SIZE, size, MIN_CHUNK_SIZE, 0, "t")
+    assert widest.chunks == 262_144
+    assert codec.decode(codec.encode_manifest(widest, KEY), KEY) == widest
+    narrower = manifest_payload(-(-size // (MIN_CHUNK_SIZE - 1)), size, MIN_CHUNK_SIZE - 1)
+    with pytest.raises(DecodeError, match="MIN_CHUNK_SIZE"):
+        codec.decode(seal(F_MANIFEST, narrower), KEY)
+    over = manifest_payload(size // MIN_CHUNK_SIZE + 1, size + 1, MIN_CHUNK_SIZE)
+    with pytest.raises(DecodeError, match="max_value_bytes"):
+        codec.decode(seal(F_MANIFEST, over), KEY)
 
 
 # --------------------------------------------------------------------------- codec object
