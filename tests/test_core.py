@@ -147,7 +147,8 @@ async def test_foreign_bytes_are_a_counted_miss(
 ) -> None:
     cache = ac.AsyncKVCache(client, namespace=namespace)
     await client.set_many({cache.key(i): b"not ours" for i in range(3)})
-    await client.set_many({cache.key("trunc"): ac.Codec().encode(list(range(100)))[:-5]})
+    trunc = cache.key("trunc")
+    await client.set_many({trunc: ac.Codec().encode(list(range(100)), trunc)[:-5]})
     with caplog.at_level(logging.WARNING, logger="asynccache"):
         assert await cache.get_many([0, 1, 2, "trunc"]) == {}
     stats = cache.stats()

@@ -1,24 +1,64 @@
 """Object <-> bytes for the store: pickle 5, out-of-band buffers, header, compression, chunks.
 
 Every value the core writes goes through :meth:`Codec.encode`, and every hit through
-:meth:`Codec.decode`, so the common case (a small value, no arrays) is kept to one
-``pickle.dumps``/``pickle.loads`` plus an 8-byte header and a crc32.
+:meth:`Codec.decode`, both given the value's full store key (``b"ac:ns:42"``). The common
+case (a small value, no arrays) is kept to one ``pickle.dumps``/``pickle.loads``, a 12-byte
+header and two xxh3-64 hashes (one of the key, one of the payload).
 
-Blob layout (little endian)::
+Blob layout, format version 2 (integers little endian)::
 
     offset  size  field
     0       2     magic   b"\\xacC"   (0xAC is a UTF-8 continuation byte, so no text, JSON
                                       or pickle (b"\\x80" / b"(") starts with it)
-    2       1     format version (1)
+    2       1     format version (2)
     3       1     flags
                     bits 0-1  compression: 0 none, 1 zstd, 2 lz4 (3 is invalid)
                     bit  2    payload has out-of-band buffers (see below)
                     bit  3    payload is a chunk manifest (not user data)
-                    bit  4    no checksum: the crc field must be 0
-                    bits 5-7  reserved, must be 0
-    4       4     crc32 of bytes [2:4] + payload (zlib.crc32), so a flipped flag or
-                  version byte is caught too; 0 when bit 4 is set
-    8       ...   payload (compressed as a whole when the compression bits are set)
+                    bit  4    no checksum: the tag covers key, version and flags only
+                    bit  5    reserved, MAC-signed: the tag is a keyed MAC whose length and
+                              algorithm are fixed by the Codec's configuration
+                    bit  6    reserved, pickle-free payload
+                    bit  7    reserved, must be 0
+    4       8     tag: xxh3-64 (u64) binding the value to its store key, see below
+    12      ...   payload (compressed as a whole when the compression bits are set)
+
+Only the first 4 bytes are fixed; the tag length is a property of the Codec (8 bytes for
+xxh3-64, the only tag this release writes), so a keyed MAC can take a longer one.
+
+Tag (``H(data, seed)`` is xxh3-64)::
+
+    key_seed = H(key, seed=H(bytes([version, flags])))
+    tag      = H(payload, seed=key_seed)      # the stored payload, compressed or not
+    tag      = key_seed                       # flag bit 4 (Codec(checksum=False))
+
+So the tag covers the store key, the version, the flags and the payload: bytes copied,
+swapped or replayed under another key, a flipped flag and any damage or truncation fail
+with ``DecodeError("checksum mismatch: ...")``, never decode as another key's value. The
+payload is verified before it is decompressed or unpickled. xxh3-64 is a fast checksum
+(~30 µs per MiB), not a MAC: it catches accidents and stale data, not a forger who can
+write to the store. A ``checksum=False`` value still binds the key but leaves its payload
+unverified, so a ``checksum=True`` Codec refuses it; a ``checksum=False`` Codec reads both
+kinds (it verifies a checksummed value in full, since its tag needs the payload).
+
+What decode raises (all :class:`DecodeError`), checked in this order, before anything is
+allocated beyond the input:
+
+* fewer than 4 bytes, or another magic: foreign data;
+* another format version (1 from the previous release, or a future one):
+  :class:`FormatMismatch`, which the core treats as a plain miss;
+* flag bit 5 or 6: written by a codec with a secret / pickle-free payloads;
+  bit 7, compression 3, a compressed or out-of-band manifest: unknown or invalid flags;
+* flag bit 4 while ``checksum=True``; a blob over ``max_value_bytes``; a wrong tag;
+* a compressed payload whose frame does not record its decompressed size (every
+  compressed payload asynccache writes does), or records more than ``max_value_bytes``
+  allows: refused before decompressing. Decompression then allocates the recorded size
+  only, and a frame holding more than it records fails there;
+* a damaged payload: bad frame, bad buffer table, unpickling failure.
+
+``max_value_bytes`` bounds the encoded value before compression (header + payload): encode
+refuses anything larger (:class:`ValueTooLarge`), so readers with the same bound never
+refuse what a writer stored.
 
 Payload kinds (after decompression):
 
@@ -36,8 +76,11 @@ Payload kinds (after decompression):
   parsing it. On decode the buffer region is copied once into a fresh ``bytearray``
   (aligned by the allocator) and the buffers are ``memoryview`` slices of it: the
   returned numpy arrays and torch tensors are writable and own no other copy.
-* manifest (bit 3): ``<QQIB`` chunks, size, crc, token length, then the token as UTF-8
-  (never pickled, never compressed).
+* manifest (bit 3): ``<QQQQB`` chunks, size, chunk_size, digest, token length, then the
+  token as UTF-8 (never pickled, never compressed). ``digest`` is the xxh3-64 of the
+  joined chunks. Decode checks ``chunks == ceil(size / chunk_size)``,
+  ``chunk_size >= MIN_CHUNK_SIZE`` and ``size <= max_value_bytes``, so a manifest can never
+  make the core request more than ``max_value_bytes / MIN_CHUNK_SIZE`` chunks.
 
 Large numpy arrays go out-of-band through numpy's own protocol-5 support. Plain CPU torch
 tensors are reduced by this module (dtype, shape, raw bytes) because torch's default
@@ -56,12 +99,20 @@ import secrets
 import struct
 import sys
 import threading
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from asynccache.errors import ConfigError, DecodeError, EncodeError, MissingDependency
+from xxhash import xxh3_64, xxh3_64_intdigest
+
+from asynccache.errors import (
+    ConfigError,
+    DecodeError,
+    EncodeError,
+    FormatMismatch,
+    MissingDependency,
+    ValueTooLarge,
+)
 
 __all__ = [
     "DEFAULT_CODEC",
@@ -72,29 +123,41 @@ __all__ = [
 ]
 
 MAGIC = b"\xacC"
-VERSION = 1
-_PREFIX = MAGIC + bytes([VERSION])
-_HEADER = struct.Struct("<3sBI")
-HEADER_SIZE = _HEADER.size  # 8
+VERSION = 2
+_FIXED = struct.Struct("<2sBB")  # magic, version, flags: the part of the header every codec shares
+_XXH_TAG = struct.Struct("<Q")  # the xxh3-64 tag
+HEADER_SIZE = _FIXED.size + _XXH_TAG.size  # 12: the header of every value this release writes
 
 _COMP_MASK = 0b0000_0011
 _COMP_ZSTD = 1
 _COMP_LZ4 = 2
 _F_OOB = 0b0000_0100
 _F_MANIFEST = 0b0000_1000
-_F_NOCRC = 0b0001_0000
-_KNOWN_FLAGS = _COMP_MASK | _F_OOB | _F_MANIFEST | _F_NOCRC
+_F_NOCHECK = 0b0001_0000
+_F_MAC = 0b0010_0000  # reserved for a follow-up
+_F_NOPICKLE = 0b0100_0000  # reserved for a follow-up
+_RESERVED = _F_MAC | _F_NOPICKLE
+_KNOWN_FLAGS = _COMP_MASK | _F_OOB | _F_MANIFEST | _F_NOCHECK
 
-# crc32 of the (version, flags) header bytes, used as the running crc start value:
-# crc32(payload, _SEEDS[flags]) == crc32(bytes([VERSION, flags]) + payload).
-_SEEDS = tuple(zlib.crc32(bytes([VERSION, f])) for f in range(256))
-_SEED0 = _SEEDS[0]
+# H(bytes([VERSION, flags])) for every flags byte: the seed of the key hash, so the tag
+# covers version and flags without hashing a concatenation.
+_FLAG_SEEDS = tuple(xxh3_64_intdigest(bytes([VERSION, f])) for f in range(256))
+_SEED0 = _FLAG_SEEDS[0]
+_SEED_NOCHECK = _FLAG_SEEDS[_F_NOCHECK]
+_HOT = struct.Struct("<4sQ")  # fixed header + xxh3 tag, read and written in one call
+_PREFIX0 = _FIXED.pack(MAGIC, VERSION, 0)
+_PREFIX_NOCHECK = _FIXED.pack(MAGIC, VERSION, _F_NOCHECK)
 
 _OOB_HEAD = struct.Struct("<QI")
 _ALIGN = 16  # enough for every numpy / torch dtype; the allocator gives >= 16
 _ZEROS = bytes(_ALIGN)
 _SLICE_MAX = 2048  # decode copies payloads up to this size instead of making a memoryview
-_MANIFEST = struct.Struct("<QQIB")
+_MANIFEST = struct.Struct("<QQQQB")
+MIN_CHUNK_SIZE = 1024  # smallest chunk a manifest may name (bounds the chunk count)
+_MIN_VALUE_BYTES = 4096  # floor of max_value_bytes: the hot paths need no bound check
+_U64_MAX = 2**64 - 1
+
+_MISMATCH = "checksum mismatch: damaged, truncated, or written under another key"
 
 # Exact types that never produce out-of-band buffers nor need the tensor reducer.
 _ATOMIC = frozenset({type(None), bool, int, float, complex, str, bytes, bytearray})
@@ -120,13 +183,23 @@ def _import_backend(kind: str) -> Any:
 
 
 def _compress(kind: str, data: bytes, level: int | None) -> bytes:
+    """One frame that records its content size (both libraries' default), which decode needs."""
     mod = _import_backend(kind)
     if kind == "zstd":
         return mod.compress(data, 3 if level is None else level)
     return mod.compress(data, compression_level=0 if level is None else level)
 
 
-def _decompress(kind: str, data: memoryview) -> bytes:
+def _decompress(kind: str, data: bytes | memoryview, limit: int) -> bytes:
+    """Decompress one frame into at most ``limit`` bytes, allocating no more than that.
+
+    Both libraries size their output buffer from the frame's recorded content size (zstd
+    even ignores ``max_output_size`` when one is recorded), so that size is read and
+    bounded first; a frame that records none is refused (asynccache never writes one), and
+    one that holds more than it records fails inside the library at the recorded size.
+    Peak memory is the recorded size (zstd) or twice it (python-lz4 copies its buffer into
+    the returned bytes).
+    """
     try:
         mod = _import_backend(kind)
     except ImportError as exc:
@@ -135,9 +208,43 @@ def _decompress(kind: str, data: memoryview) -> bytes:
             f"pip install {_PACKAGES[kind]}"
         ) from exc
     try:
-        return mod.decompress(data)
+        if kind == "zstd":
+            size = mod.frame_content_size(data)  # -1 when not recorded
+        else:
+            size = mod.get_frame_info(data)["content_size"] or -1  # 0 when not recorded
     except Exception as exc:
         raise DecodeError(f"corrupt {kind}-compressed value: {exc}") from exc
+    if size < 0:
+        raise DecodeError(
+            f"{kind} frame does not record its decompressed size (not written by asynccache)"
+        )
+    if size > limit:
+        raise DecodeError(
+            f"{kind}-compressed value expands to {size} bytes, over the {limit} bytes "
+            "max_value_bytes leaves for a payload; raise max_value_bytes in Codec(...)"
+        )
+    try:
+        if kind == "zstd":
+            out = mod.ZstdDecompressor().decompress(data, allow_extra_data=False)
+        else:
+            # The low-level call reads ``data`` in place (LZ4FrameDecompressor copies it);
+            # max_length sizes its one buffer, +1 so a frame longer than it records shows.
+            ctx = mod.create_decompression_context()
+            out, used, end = mod.decompress_chunk(ctx, data, max_length=size + 1)
+            if not end or used != len(data):
+                raise DecodeError(
+                    "corrupt lz4-compressed value: frame truncated, longer than it records, "
+                    "or followed by extra bytes"
+                )
+    except DecodeError:
+        raise
+    except Exception as exc:
+        raise DecodeError(f"corrupt {kind}-compressed value: {exc}") from exc
+    if len(out) != size:
+        raise DecodeError(
+            f"corrupt {kind}-compressed value: {len(out)} bytes, the frame records {size}"
+        )
+    return out
 
 
 def _resolve_compression(compression: str | None) -> str | None:
@@ -270,18 +377,29 @@ def _dumps_special(obj: object, protocol: int) -> tuple[bytes, list[Any]]:
 class ChunkManifest:
     """What the core stores under the main key when a value is split into chunks."""
 
-    chunks: int  # number of chunks
+    chunks: int  # number of chunks: always ceil(size / chunk_size)
     size: int  # total byte length of the joined payload (the encode() output that was split)
-    crc: int  # zlib.crc32 of the joined payload
+    chunk_size: int  # length of every chunk but the last
+    digest: int  # xxh3-64 of the joined payload
     token: str  # random id, so chunk keys of an overwritten value never mix with the old ones
 
     def __post_init__(self) -> None:
-        for name in ("chunks", "size", "crc"):
+        for name in ("chunks", "size", "digest"):
             value = getattr(self, name)
             if type(value) is not int or value < 0:
                 raise ValueError(f"ChunkManifest.{name} must be an int >= 0, got {value!r}")
-        if self.crc > 0xFFFFFFFF:
-            raise ValueError(f"ChunkManifest.crc must fit in 32 bits, got {self.crc!r}")
+        if type(self.chunk_size) is not int or self.chunk_size <= 0:
+            raise ValueError(
+                f"ChunkManifest.chunk_size must be an int > 0, got {self.chunk_size!r}"
+            )
+        if self.digest > _U64_MAX:
+            raise ValueError(f"ChunkManifest.digest must fit in 64 bits, got {self.digest!r}")
+        expected = -(-self.size // self.chunk_size)
+        if self.chunks != expected:
+            raise ValueError(
+                f"ChunkManifest.chunks is {self.chunks}, but {self.size} bytes in chunks of "
+                f"{self.chunk_size} make {expected}"
+            )
         if not isinstance(self.token, str) or not 0 < len(self.token.encode()) <= 255:
             raise ValueError(
                 f"ChunkManifest.token must be a non-empty str of at most 255 UTF-8 bytes, "
@@ -296,7 +414,8 @@ class ChunkManifest:
         return cls(
             chunks=-(-size // chunk_size),
             size=size,
-            crc=zlib.crc32(blob),
+            chunk_size=chunk_size,
+            digest=xxh3_64_intdigest(blob),
             token=secrets.token_hex(8),
         )
 
@@ -314,25 +433,41 @@ def split_chunks(blob: bytes | bytearray | memoryview, chunk_size: int) -> list[
 
 
 def join_chunks(parts: Sequence[bytes | bytearray | memoryview], manifest: ChunkManifest) -> bytes:
-    """Reassemble chunks; any missing, stale or damaged chunk raises DecodeError."""
+    """Reassemble chunks; any missing, stale or damaged chunk raises DecodeError.
+
+    Count and total length are checked before joining, so nothing is allocated for a set
+    of parts that cannot be the value.
+    """
     if len(parts) != manifest.chunks:
         raise DecodeError(f"chunked value has {len(parts)} chunks, manifest says {manifest.chunks}")
+    total = sum(memoryview(p).nbytes for p in parts)
+    if total != manifest.size:
+        raise DecodeError(f"chunked value is {total} bytes, manifest says {manifest.size}")
     blob = b"".join(parts)
-    if len(blob) != manifest.size:
-        raise DecodeError(f"chunked value is {len(blob)} bytes, manifest says {manifest.size}")
-    if zlib.crc32(blob) != manifest.crc:
+    if xxh3_64_intdigest(blob) != manifest.digest:
         raise DecodeError("chunked value does not match its manifest checksum (stale or damaged)")
     return blob
 
 
-def _decode_manifest(payload: memoryview) -> ChunkManifest:
+def _decode_manifest(payload: bytes | memoryview, max_value_bytes: int) -> ChunkManifest:
+    """Parse and bound a manifest: nothing is allocated nor requested for a forged one."""
     if len(payload) < _MANIFEST.size:
         raise DecodeError("truncated chunk manifest")
-    chunks, size, crc, token_len = _MANIFEST.unpack_from(payload)
+    chunks, size, chunk_size, digest, token_len = _MANIFEST.unpack_from(payload)
     if len(payload) != _MANIFEST.size + token_len:
         raise DecodeError("chunk manifest has the wrong length (truncated or damaged)")
+    if size > max_value_bytes:
+        raise DecodeError(
+            f"chunk manifest claims a {size}-byte value, over max_value_bytes={max_value_bytes}"
+        )
+    if chunk_size < MIN_CHUNK_SIZE:
+        raise DecodeError(
+            f"chunk manifest claims {chunk_size}-byte chunks, under MIN_CHUNK_SIZE={MIN_CHUNK_SIZE}"
+        )
     try:
-        return ChunkManifest(chunks, size, crc, str(payload[_MANIFEST.size :], "utf-8"))
+        return ChunkManifest(
+            chunks, size, chunk_size, digest, str(payload[_MANIFEST.size :], "utf-8")
+        )
     except (ValueError, UnicodeDecodeError) as exc:
         raise DecodeError(f"invalid chunk manifest: {exc}") from exc
 
@@ -340,13 +475,21 @@ def _decode_manifest(payload: memoryview) -> ChunkManifest:
 # --------------------------------------------------------------------------- codec
 
 
-def _loads_oob(payload: memoryview) -> object:
-    """Parse an out-of-band payload; the buffer region is copied exactly once."""
+def _loads_oob(payload: bytes | memoryview) -> object:
+    """Parse an out-of-band payload; the buffer region is copied exactly once.
+
+    Every count and length is checked against the payload size before it is used, so a
+    forged table cannot make ``struct`` or the span list allocate more than the input.
+    """
     total = len(payload)
     if total < _OOB_HEAD.size:
         raise DecodeError("truncated buffer table")
     stream_len, nbuf = _OOB_HEAD.unpack_from(payload)
     table_end = _OOB_HEAD.size + 8 * nbuf
+    if table_end > total:
+        raise DecodeError(
+            f"buffer table claims {nbuf} buffers, more than a {total}-byte payload can hold"
+        )
     region_start = table_end + stream_len
     if region_start > total:
         raise DecodeError("truncated out-of-band value")
@@ -373,25 +516,33 @@ def _encode_error(obj: object, exc: BaseException) -> EncodeError:
     )
 
 
+def _unpickle_error(exc: Exception) -> DecodeError:
+    return DecodeError(f"cannot unpickle value: {type(exc).__name__}: {exc}")
+
+
 def _rebuild_codec(kwargs: dict[str, Any]) -> Codec:
     return Codec(**kwargs)
 
 
 class Codec:
-    """Turns cached values into self-describing blobs and back.
+    """Turns cached values into self-describing blobs bound to their store key, and back.
 
     Compression is applied to the whole payload only when it is at least
     ``compress_threshold`` bytes and only kept when it shrinks it; decode handles every
     compression kind regardless of this codec's setting (values written by a peer with
-    another setting stay readable).
+    another setting stay readable). ``max_value_bytes`` bounds what encode writes and what
+    decode accepts or decompresses (header + uncompressed payload), so hostile or damaged
+    bytes in the store cannot make a reader allocate more.
     """
 
     __slots__ = (
         "_kind",
+        "_tag_size",
         "checksum",
         "compress_level",
         "compress_threshold",
         "compression",
+        "max_value_bytes",
         "protocol",
     )
 
@@ -403,6 +554,7 @@ class Codec:
         compress_level: int | None = None,
         checksum: bool = True,
         protocol: int = 5,
+        max_value_bytes: int = 256 * 1024 * 1024,
     ) -> None:
         if compression not in _COMPRESSIONS:
             raise ConfigError(
@@ -416,11 +568,19 @@ class Codec:
             raise ConfigError(
                 f"protocol must be an int in 0..{pickle.HIGHEST_PROTOCOL}, got {protocol!r}"
             )
+        if type(max_value_bytes) is not int or max_value_bytes < _MIN_VALUE_BYTES:
+            raise ConfigError(
+                f"max_value_bytes must be an int >= {_MIN_VALUE_BYTES}, got {max_value_bytes!r}"
+            )
         self.compression = compression
         self.compress_threshold = compress_threshold
         self.compress_level = compress_level
         self.checksum = bool(checksum)
         self.protocol = protocol
+        self.max_value_bytes = max_value_bytes
+        # Length of the tag after the 4 fixed header bytes. Decode reads it from here, so a
+        # MAC-signing configuration (flag bit 5) can use a longer tag.
+        self._tag_size = _XXH_TAG.size
         self._kind = _resolve_compression(compression)
         if self._kind is not None and compress_level is not None:
             try:  # fail now, not on the first large value
@@ -439,6 +599,7 @@ class Codec:
             "compress_level": self.compress_level,
             "checksum": self.checksum,
             "protocol": self.protocol,
+            "max_value_bytes": self.max_value_bytes,
         }
 
     def __eq__(self, other: object) -> bool:
@@ -470,34 +631,60 @@ class Codec:
             return _dumps_special(obj, self.protocol)
         return stream, bufs
 
-    def _finish(self, flags: int, parts: list[Any], size: int, compress: bool = True) -> bytes:
-        """Compress if worthwhile, add the header, and join everything once."""
+    def _too_large(self, size: int) -> ValueTooLarge:
+        return ValueTooLarge(
+            f"value is {size} bytes encoded, over max_value_bytes={self.max_value_bytes}; "
+            "raise max_value_bytes in Codec(...)"
+        )
+
+    def _finish(
+        self, key: bytes, flags: int, parts: list[Any], size: int, compress: bool = True
+    ) -> bytes:
+        """Bound, compress if worthwhile, tag, and join everything once.
+
+        ``size`` is the payload length before compression: the bound applies to it, so a
+        reader never has to decompress more than ``max_value_bytes``.
+        """
+        encoded = _FIXED.size + self._tag_size + size
+        if encoded > self.max_value_bytes:
+            raise self._too_large(encoded)
         if compress and self._kind is not None and size >= self.compress_threshold:
             packed = _compress(self._kind, b"".join(parts), self.compress_level)
             if len(packed) < size:
                 parts = [packed]
                 flags |= _KIND_BITS[self._kind]
         if self.checksum:
-            crc = _SEEDS[flags]
-            for part in parts:
-                crc = zlib.crc32(part, crc)
+            hasher = xxh3_64(seed=xxh3_64_intdigest(key, _FLAG_SEEDS[flags]))
+            for part in parts:  # one pass over the payload, no concatenation
+                hasher.update(part)
+            tag = hasher.intdigest()
         else:
-            flags |= _F_NOCRC
-            crc = 0
-        return b"".join([_HEADER.pack(_PREFIX, flags, crc), *parts])
+            flags |= _F_NOCHECK
+            tag = xxh3_64_intdigest(key, _FLAG_SEEDS[flags])
+        return b"".join([_FIXED.pack(MAGIC, VERSION, flags), _XXH_TAG.pack(tag), *parts])
 
-    def encode(self, obj: object, key: bytes = b"") -> bytes:  # key: placeholder until v2
-        """Serialise ``obj``; EncodeError (chained) if it cannot be pickled."""
+    def encode(self, obj: object, key: bytes) -> bytes:
+        """Serialise ``obj`` for the store key ``key`` (only ``decode(blob, key)`` reads it).
+
+        EncodeError (chained) if it cannot be pickled, ValueTooLarge if it is encoded over
+        ``max_value_bytes``.
+        """
         if type(obj) is ChunkManifest:
             raise EncodeError("ChunkManifest is reserved for chunked values: use encode_manifest")
         try:
             stream, bufs = self._pickle(obj)
             if not bufs:  # fast path: header + pickle stream
-                if self._kind is None or len(stream) < self.compress_threshold:
+                n = len(stream)
+                if self._kind is None or n < self.compress_threshold:
+                    if n + HEADER_SIZE > self.max_value_bytes:
+                        raise self._too_large(n + HEADER_SIZE)
                     if self.checksum:
-                        return _HEADER.pack(_PREFIX, 0, zlib.crc32(stream, _SEED0)) + stream
-                    return _HEADER.pack(_PREFIX, _F_NOCRC, 0) + stream
-                return self._finish(0, [stream], len(stream))
+                        tag = xxh3_64_intdigest(stream, xxh3_64_intdigest(key, _SEED0))
+                        return _HOT.pack(_PREFIX0, tag) + stream
+                    return (
+                        _HOT.pack(_PREFIX_NOCHECK, xxh3_64_intdigest(key, _SEED_NOCHECK)) + stream
+                    )
+                return self._finish(key, 0, [stream], n)
             raws = [b.raw() for b in bufs]
         except EncodeError:
             raise
@@ -514,54 +701,110 @@ class Codec:
                 pos += pad
             parts.append(raw)
             pos += n
-        return self._finish(_F_OOB, parts, len(table) + len(stream) + pos)
+        return self._finish(key, _F_OOB, parts, len(table) + len(stream) + pos)
 
-    def encode_manifest(self, manifest: ChunkManifest, key: bytes = b"") -> bytes:
-        """Serialise a chunk manifest (never pickled, never compressed)."""
+    def encode_manifest(self, manifest: ChunkManifest, key: bytes) -> bytes:
+        """Serialise a chunk manifest for ``key`` (never pickled, never compressed).
+
+        Refuses what decode would refuse: a value over ``max_value_bytes`` (ValueTooLarge)
+        or chunks under ``MIN_CHUNK_SIZE`` bytes (EncodeError).
+        """
         if not isinstance(manifest, ChunkManifest):
             raise EncodeError(f"expected a ChunkManifest, got {type(manifest).__qualname__}")
+        if manifest.size > self.max_value_bytes:
+            raise self._too_large(manifest.size)
+        if manifest.chunk_size < MIN_CHUNK_SIZE:
+            raise EncodeError(
+                f"chunk_size={manifest.chunk_size} is under MIN_CHUNK_SIZE={MIN_CHUNK_SIZE}: "
+                "readers refuse such a manifest"
+            )
         token = manifest.token.encode("utf-8")
-        payload = _MANIFEST.pack(manifest.chunks, manifest.size, manifest.crc, len(token))
-        return self._finish(_F_MANIFEST, [payload, token], 0, compress=False)
+        payload = _MANIFEST.pack(
+            manifest.chunks, manifest.size, manifest.chunk_size, manifest.digest, len(token)
+        )
+        return self._finish(key, _F_MANIFEST, [payload, token], len(payload) + len(token), False)
 
     # -- decode ---------------------------------------------------------------------------
 
-    def decode(self, data: bytes | bytearray | memoryview, key: bytes = b"") -> object:
-        """Inverse of encode/encode_manifest; DecodeError for anything else or damaged."""
+    def decode(self, data: bytes | bytearray | memoryview, key: bytes) -> object:
+        """Inverse of encode/encode_manifest for the same ``key``.
+
+        DecodeError for anything else: foreign bytes, damage, a value of another key, input
+        over the bounds; FormatMismatch (a DecodeError) for another format version.
+        """
+        if type(data) is bytes and len(data) <= _SLICE_MAX:
+            # Hot path: a small cached value with flags 0, read from the store as bytes.
+            # (max_value_bytes >= _MIN_VALUE_BYTES > _SLICE_MAX: no bound to check.)
+            try:
+                prefix, tag = _HOT.unpack_from(data)
+            except struct.error:
+                prefix = None
+            if prefix == _PREFIX0:
+                payload = data[HEADER_SIZE:]
+                if xxh3_64_intdigest(payload, xxh3_64_intdigest(key, _SEED0)) != tag:
+                    raise DecodeError(_MISMATCH)
+                try:
+                    return pickle.loads(payload)
+                except Exception as exc:
+                    raise _unpickle_error(exc) from exc
+        return self._decode(data, key)
+
+    def _decode(self, data: bytes | bytearray | memoryview, key: bytes) -> object:
+        """Every case but the hot path; checks run in the order the module docstring lists."""
         try:
-            prefix, flags, crc = _HEADER.unpack_from(data)
-        except (struct.error, TypeError) as exc:
+            magic, version, flags = _FIXED.unpack_from(data)
+        except struct.error as exc:
             raise DecodeError(
                 f"not an asynccache value: {_describe(data)} is shorter than the header"
             ) from exc
-        if prefix != _PREFIX:
-            raise _bad_prefix(prefix)
-        if not flags and type(data) is bytes and len(data) <= _SLICE_MAX:
-            # Hot path (a small cached value, read from the store as bytes).
-            payload = data[HEADER_SIZE:]
-            if zlib.crc32(payload, _SEED0) != crc:
-                raise DecodeError("damaged value: checksum mismatch (corrupt or truncated)")
-            try:
-                return pickle.loads(payload)
-            except Exception as exc:
-                raise DecodeError(f"cannot unpickle value: {type(exc).__name__}: {exc}") from exc
+        except (TypeError, ValueError, BufferError) as exc:
+            raise DecodeError(
+                f"not an asynccache value: cannot read a {type(data).__name__} as bytes"
+            ) from exc
+        if magic != MAGIC:
+            raise DecodeError(
+                f"not an asynccache value (starts with {_FIXED.pack(magic, version, flags)!r}): "
+                "the key holds foreign data"
+            )
+        if version != VERSION:
+            raise FormatMismatch(
+                f"value is in asynccache format version {version}, this asynccache reads "
+                f"version {VERSION} (written by a different asynccache release)"
+            )
+        if flags & _RESERVED:
+            raise DecodeError(
+                f"value (flags 0x{flags:02x}) was written with a secret / pickle-free codec "
+                "this Codec is not configured for"
+            )
         if flags & ~_KNOWN_FLAGS or flags & _COMP_MASK == _COMP_MASK:
             raise DecodeError(f"unknown flags 0x{flags:02x} (written by a newer asynccache?)")
-        if type(data) is bytes and len(data) <= _SLICE_MAX:
-            payload: Any = data[HEADER_SIZE:]  # cheaper than a memoryview for small values
+        if flags & _F_MANIFEST and flags & (_F_OOB | _COMP_MASK):
+            raise DecodeError(f"invalid flags 0x{flags:02x} for a chunk manifest")
+        if flags & _F_NOCHECK and self.checksum:
+            raise DecodeError(
+                "value was written without a checksum (Codec(checksum=False)); this Codec has "
+                "checksum=True and never accepts an unverified payload"
+            )
+        view: Any
+        if type(data) is bytes:
+            size = len(data)
+            view = data if size <= _SLICE_MAX else memoryview(data)  # never copy a large one
         else:
-            payload = _byte_view(data)[HEADER_SIZE:]
-        if flags & _F_NOCRC:
-            if crc:
-                raise DecodeError("damaged value: checksum flag and checksum field disagree")
-        elif zlib.crc32(payload, _SEEDS[flags]) != crc:
-            raise DecodeError("damaged value: checksum mismatch (corrupt or truncated)")
+            view = _byte_view(data)
+            size = len(view)
+        if size > self.max_value_bytes:
+            raise DecodeError(f"value is {size} bytes, over max_value_bytes={self.max_value_bytes}")
+        start = _FIXED.size + self._tag_size
+        payload = view[start:]
+        key_seed = xxh3_64_intdigest(key, _FLAG_SEEDS[flags])
+        tag = key_seed if flags & _F_NOCHECK else xxh3_64_intdigest(payload, key_seed)
+        if view[_FIXED.size : start] != _XXH_TAG.pack(tag):
+            raise DecodeError(_MISMATCH)
         if flags & _COMP_MASK:
-            payload = memoryview(_decompress(_BITS_KIND[flags & _COMP_MASK], payload))
+            kind = _BITS_KIND[flags & _COMP_MASK]
+            payload = memoryview(_decompress(kind, payload, self.max_value_bytes - start))
         if flags & _F_MANIFEST:
-            if flags & (_F_OOB | _COMP_MASK):
-                raise DecodeError(f"invalid flags 0x{flags:02x} for a chunk manifest")
-            return _decode_manifest(payload)
+            return _decode_manifest(payload, self.max_value_bytes)
         try:
             if flags & _F_OOB:
                 return _loads_oob(payload)
@@ -569,10 +812,10 @@ class Codec:
         except DecodeError:
             raise
         except Exception as exc:  # UnpicklingError, EOFError, ImportError, ...
-            raise DecodeError(f"cannot unpickle value: {type(exc).__name__}: {exc}") from exc
+            raise _unpickle_error(exc) from exc
 
 
-def _byte_view(data: bytes | bytearray | memoryview) -> memoryview:
+def _byte_view(data: bytearray | memoryview) -> memoryview:
     mv = memoryview(data)
     if mv.ndim != 1 or mv.itemsize != 1:
         try:
@@ -587,17 +830,6 @@ def _describe(data: object) -> str:
         return f"{len(memoryview(data))}-byte input"  # type: ignore[arg-type]
     except TypeError:
         return f"a {type(data).__name__}"
-
-
-def _bad_prefix(prefix: bytes) -> DecodeError:
-    if prefix[:2] == MAGIC:
-        return DecodeError(
-            f"unknown format version {prefix[2]} (this asynccache reads version {VERSION}; "
-            "the value was written by a different asynccache release)"
-        )
-    return DecodeError(
-        f"not an asynccache value (starts with {prefix!r}): the key holds foreign data"
-    )
 
 
 DEFAULT_CODEC = Codec()
