@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import time
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -225,6 +226,57 @@ def test_password_and_maxmemory() -> None:
         config = client.config_get("*")
         assert config["maxmemory"] == str(32 * 1024 * 1024)
         assert (config["maxmemory-policy"], config["hz"]) == ("allkeys-lru", "20")
+
+
+def test_redis_noeviction_fills_up_with_oom_errors() -> None:
+    value = b"x" * 65536
+    server = start_redis(maxmemory="2mb", maxmemory_policy="noeviction")
+    with server, redis_client(server) as client:
+        assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
+        stored = 0
+        with pytest.raises(redis.exceptions.OutOfMemoryError, match="maxmemory"):
+            while stored < 100:
+                client.set(f"k{stored}", value)
+                stored += 1
+        assert stored > 0  # writes succeed until the limit, then fail ...
+        assert client.dbsize() == stored and client.get("k0") == value  # ... none evicted
+
+
+def test_redis_idle_timeout_closes_idle_connections() -> None:
+    with start_redis(idle_timeout=1) as server:
+        assert server.call("CONFIG", "GET", "timeout") == [b"timeout", b"1"]
+        with socket.create_connection((server.host, server.port or 0), timeout=5) as sock:
+            sock.sendall(b"PING\r\n")
+            assert sock.recv(100) == b"+PONG\r\n"
+            start = time.monotonic()
+            assert sock.recv(100) == b""  # closed by the server, not by our 5 s timeout
+            assert 0.9 <= time.monotonic() - start < 3.5  # whole seconds, checked by a cron
+
+
+def test_redis_extra_args_win_over_options() -> None:
+    extra = ["--maxmemory-policy", "allkeys-lfu", "--timeout", "0", "--maxmemory", "8mb"]
+    server = start_redis(
+        maxmemory="2mb", maxmemory_policy="noeviction", idle_timeout=5, extra_args=extra
+    )
+    with server, redis_client(server) as client:
+        config = client.config_get("*")
+        assert (config["maxmemory-policy"], config["timeout"]) == ("allkeys-lfu", "0")
+        assert config["maxmemory"] == str(8 * 1024 * 1024)
+
+
+def test_memcached_no_evict_reports_out_of_memory() -> None:
+    value = b"x" * 100_000
+    with start_memcached(memory_mb=2, no_evict=True) as server:
+        assert server.port is not None
+        settings = memcached_call(server.port, b"stats settings\r\n", b"END\r\n")
+        assert b"STAT evictions off\r\n" in settings
+        cmd = b"set k%d 0 0 %d\r\n%s\r\n"
+        replies = [
+            memcached_call(server.port, cmd % (i, len(value), value), b"\r\n") for i in range(60)
+        ]
+        full = replies.index(b"SERVER_ERROR out of memory storing object\r\n")
+        assert full > 0 and set(replies[:full]) == {b"STORED\r\n"}
+        assert roundtrip(server, "k0", None) == value  # the first item was not evicted
 
 
 def test_start_error_carries_the_log_tail() -> None:

@@ -462,7 +462,15 @@ _S = TypeVar("_S", bound=LocalServer)
 
 
 class RedisServer(LocalServer):
-    """redis-server or valkey-server; ``kind`` says which one actually answered."""
+    """redis-server or valkey-server; ``kind`` says which one actually answered.
+
+    *maxmemory_policy* defaults to allkeys-lru because a cache should evict rather than
+    fail writes; "noeviction" lets a test fill the store and see ``OOM`` error replies.
+    *idle_timeout* is redis' ``timeout`` (whole seconds): the server closes a client
+    connection idle that long, which is how reconnect-after-idle is tested.
+    *extra_args* come last, and redis takes the last value of a directive, so they win
+    over all of these.
+    """
 
     def __init__(
         self,
@@ -472,6 +480,8 @@ class RedisServer(LocalServer):
         unix_socket: bool = False,
         port: int | None = None,
         maxmemory: str | None = None,
+        maxmemory_policy: str = "allkeys-lru",
+        idle_timeout: int | None = None,
         extra_args: Sequence[str] = (),
         password: str | None = None,
         cluster: bool = False,
@@ -482,7 +492,11 @@ class RedisServer(LocalServer):
             self.kind = _binary_kind(binary)
         if cluster and unix_socket:
             raise ConfigError("a cluster node needs a TCP port: use unix_socket=False")
+        if idle_timeout is not None and idle_timeout < 0:
+            raise ConfigError(f"idle_timeout must be >= 0 seconds, not {idle_timeout}")
         self.maxmemory = maxmemory
+        self.maxmemory_policy = maxmemory_policy
+        self.idle_timeout = idle_timeout
         self.password = password
         self.cluster = cluster
         self.cluster_port: int | None = None
@@ -534,9 +548,12 @@ class RedisServer(LocalServer):
             args += ["--unixsocket", self.unix_socket, "--unixsocketperm", "700"]
         if self.password is not None:
             args += ["--requirepass", self.password]
+        # Always passed: redis' own default is noeviction, even when maxmemory is set later.
+        args += ["--maxmemory-policy", self.maxmemory_policy]
         if self.maxmemory is not None:
-            # A cache should evict, not fail writes (the default policy is noeviction).
-            args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"]
+            args += ["--maxmemory", self.maxmemory]
+        if self.idle_timeout is not None:
+            args += ["--timeout", str(self.idle_timeout)]
         if self.cluster:
             args += [
                 "--cluster-enabled", "yes",
@@ -561,7 +578,12 @@ class RedisServer(LocalServer):
 
 
 class MemcachedServer(LocalServer):
-    """memcached on a loopback TCP port (UDP off)."""
+    """memcached on a loopback TCP port (UDP off).
+
+    *item_size* is ``-I`` (largest value, e.g. "8m"; memcached's default is 1m).
+    *no_evict* is ``-M``: when memory is full, a set gets ``SERVER_ERROR out of memory``
+    instead of evicting, so a test can fill the store and see the error.
+    """
 
     kind = "memcached"
 
@@ -573,11 +595,13 @@ class MemcachedServer(LocalServer):
         memory_mb: int = 64,
         item_size: str | None = None,
         threads: int = 2,
+        no_evict: bool = False,
         extra_args: Sequence[str] = (),
     ) -> None:
         self.memory_mb = memory_mb
         self.item_size = item_size
         self.threads = threads
+        self.no_evict = no_evict
         self.extra_args = list(extra_args)
         super().__init__(binary or find_memcached_binary(), port=port, unix_socket_name=None)
 
@@ -601,6 +625,8 @@ class MemcachedServer(LocalServer):
         ]  # fmt: skip
         if self.item_size is not None:
             args += ["--max-item-size", self.item_size]
+        if self.no_evict:
+            args.append("--disable-evictions")
         if os.geteuid() == 0:
             args += ["--user", "root"]  # memcached refuses to run as root without -u
         return args + self.extra_args
@@ -639,16 +665,23 @@ def start_redis(
     unix_socket: bool = False,
     port: int | None = None,
     maxmemory: str | None = None,
+    maxmemory_policy: str = "allkeys-lru",
+    idle_timeout: int | None = None,
     extra_args: Sequence[str] = (),
     password: str | None = None,
 ) -> RedisServer:
-    """Start a private redis-server/valkey-server and return it once it answers."""
+    """Start a private redis-server/valkey-server and return it once it answers.
+
+    The options are :class:`RedisServer`'s.
+    """
     server = RedisServer(
         binary,
         prefer=prefer,
         unix_socket=unix_socket,
         port=port,
         maxmemory=maxmemory,
+        maxmemory_policy=maxmemory_policy,
+        idle_timeout=idle_timeout,
         extra_args=extra_args,
         password=password,
     )
@@ -661,11 +694,17 @@ def start_memcached(
     memory_mb: int = 64,
     item_size: str | None = None,
     threads: int = 2,
+    no_evict: bool = False,
     extra_args: Sequence[str] = (),
 ) -> MemcachedServer:
-    """Start a private memcached; *item_size* is its ``-I`` (e.g. "8m", default 1m)."""
+    """Start a private memcached; the options are :class:`MemcachedServer`'s."""
     server = MemcachedServer(
-        port=port, memory_mb=memory_mb, item_size=item_size, threads=threads, extra_args=extra_args
+        port=port,
+        memory_mb=memory_mb,
+        item_size=item_size,
+        threads=threads,
+        no_evict=no_evict,
+        extra_args=extra_args,
     )
     return _started(server)
 
