@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
 import time
@@ -117,6 +118,87 @@ def test_chunks_arriving_apart_overlap(proxy: FaultProxy) -> None:
         elapsed = time.perf_counter() - start
     assert reply == b"+PONG\r\n" * n
     assert rtt <= elapsed < n * rtt / 2.5  # serialised per chunk would take >= n * rtt / 2
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        assert chunk, "connection closed early"
+        data += chunk
+    return data
+
+
+def test_trickle_paces_a_large_reply(proxy: FaultProxy) -> None:
+    """64 KiB per 0.25 s: a 256 KiB GET takes >= 0.75 s, yet no read waits for 1 s."""
+    value = os.urandom(256 * 1024)
+    with client(proxy, socket_timeout=1) as r:
+        assert r.set("trickled", value)
+        proxy.set_trickle(64 * 1024, 0.25)
+        assert "trickle=65536B/0.25s down" in repr(proxy)
+        start = time.perf_counter()
+        assert r.get("trickled") == value
+        assert 0.7 <= time.perf_counter() - start < 3
+        proxy.set_trickle(0, 0)
+        assert "trickle=off" in repr(proxy)
+        fastest = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            assert r.get("trickled") == value
+            fastest = min(fastest, time.perf_counter() - start)
+        assert fastest < 0.2
+
+
+def test_trickle_splits_and_lifting_it_wakes_the_writer(
+    proxy: FaultProxy, server: RedisServer
+) -> None:
+    value = bytes(range(256)) * 1024
+    reply = b"$%d\r\n%s\r\n" % (len(value), value)
+    server.call("SET", "pieces", value)
+    proxy.set_trickle(64 * 1024, 30)  # the next piece would come long after the test
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"GET pieces\r\n")
+        got = recv_exactly(sock, 64 * 1024)  # the first piece at once ...
+        sock.settimeout(0.3)
+        with pytest.raises(TimeoutError):
+            sock.recv(1)  # ... and not a byte more
+        sock.settimeout(5)
+        start = time.perf_counter()
+        proxy.set_trickle(None)  # ends the 30 s pause
+        got += recv_exactly(sock, len(reply) - len(got))
+        assert time.perf_counter() - start < 1
+    assert got == reply
+    proxy.stop()  # a restarted proxy (new loop) can pause again
+    proxy.start()
+    proxy.set_trickle(64 * 1024, 0.05)
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        start = time.perf_counter()
+        sock.sendall(b"GET pieces\r\n")
+        assert recv_exactly(sock, len(reply)) == reply
+        assert time.perf_counter() - start >= 0.15  # 5 pieces, 4 pauses
+
+
+def test_trickle_up_and_both_compose_with_latency_in_order(proxy: FaultProxy) -> None:
+    values = {f"t{i}": os.urandom(10_000 + i) for i in range(8)}  # ~80 KB: >= 5 pieces up
+    with client(proxy) as r:
+        r.ping()
+        proxy.set_latency(RTT)
+        proxy.set_trickle(16 * 1024, 0.05, "up")
+        start = time.perf_counter()
+        pipe = r.pipeline(transaction=False)
+        for key, value in values.items():
+            pipe.set(key, value)
+        for key in values:
+            pipe.get(key)
+        assert pipe.execute()[len(values) :] == list(values.values())
+        assert time.perf_counter() - start >= 4 * 0.05 + RTT
+        proxy.set_trickle(7, 0.001, "both")  # ~100 tiny pieces each way, still in order
+        assert r.getrange("t5", 0, 699) == values["t5"][:700]
+    with pytest.raises(ValueError, match="direction"):
+        proxy.set_trickle(1, 1, "sideways")
+    for nbytes, every in ((-1, 1), (1, 0), (1, -1)):
+        with pytest.raises(ValueError, match="every"):
+            proxy.set_trickle(nbytes, every)
 
 
 def test_blackhole_then_recovery(proxy: FaultProxy) -> None:

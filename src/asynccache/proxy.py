@@ -1,4 +1,4 @@
-"""A loopback TCP proxy that injects faults: latency, a black hole, refusals, resets.
+"""A loopback TCP proxy that injects faults: latency, a trickle, a black hole, refusals, resets.
 
 Tests and benchmarks put it between a client and a local store to see what the client
 does when the network is slow or broken, without root, ``tc`` or iptables.
@@ -13,6 +13,16 @@ never waits for the delay, so pipelined requests overlap exactly as they would o
 slow link (100 pipelined requests at 1 ms RTT take ~1 ms, not 100 ms), and one writer
 per direction keeps the byte order.
 
+A trickle (``set_trickle(nbytes, every)``) models a link so slow that a large reply
+arrives in pieces: the writer forwards at most ``nbytes`` at a time, at least ``every``
+seconds apart, in the chosen direction(s). Due bytes from several chunks are coalesced
+into one piece and a larger chunk is split, so the rate is the configured one whatever
+sizes the reads return. It sits after the latency stage (a byte is first due, then
+waits for its piece), so the two compose. Changing or lifting the trickle wakes a
+writer that is pausing between pieces: the new setting governs every byte not yet
+forwarded as soon as the call returns. It reproduces what a per-read socket timeout
+cannot catch: every read gets data within the timeout, the whole reply takes far longer.
+
 It only ever listens on and connects to loopback addresses: it is a test tool, and
 must never become an open relay.
 """
@@ -23,6 +33,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import ipaddress
+import math
 import socket
 import struct
 import threading
@@ -38,6 +49,7 @@ __all__ = ["FaultProxy", "url_through"]
 _CHUNK = 65536
 _QUEUE_CHUNKS = 256  # per direction; bounds memory when the far side is slow
 _CONTROL_TIMEOUT = 10.0
+_DIRECTIONS = ("down", "up", "both")
 
 
 def _require_loopback(host: str, what: str) -> None:
@@ -65,24 +77,26 @@ def _set_rst_on_close(writer: asyncio.StreamWriter) -> None:
 class _Direction:
     """One direction of a link: chunks wait in a FIFO until due, one writer sends them.
 
-    With no latency and nothing queued, a chunk is written straight away by the reader
-    (saves a task switch per chunk); otherwise it goes through the queue, so the order
-    is kept however the latency changes.
+    With no latency, no trickle and nothing queued, a chunk is written straight away by
+    the reader (saves a task switch per chunk); otherwise it goes through the queue, so
+    the order is kept however the latency or the trickle changes.
     """
 
-    def __init__(self, proxy: FaultProxy, writer: asyncio.StreamWriter, counter: str) -> None:
+    def __init__(self, proxy: FaultProxy, writer: asyncio.StreamWriter, name: str) -> None:
         self.proxy = proxy
         self.writer = writer
-        self.counter = counter
+        self.name = name  # "up" (client -> server) or "down"
+        self.counter = f"bytes_{name}"
         self.queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue(_QUEUE_CHUNKS)
-        self.busy = False  # the writer task holds a chunk it has taken off the queue
+        self.busy = False  # the writer holds bytes it has taken off the queue
 
     async def read_from(self, reader: asyncio.StreamReader) -> None:
         loop = asyncio.get_running_loop()
         try:
             while data := await reader.read(_CHUNK):
                 delay = self.proxy._delay
-                if delay == 0 and not self.busy and self.queue.empty():
+                direct = delay == 0 and self.proxy._trickle_for(self.name) is None
+                if direct and not self.busy and self.queue.empty():
                     await self._send(data)
                 else:
                     await self.queue.put((loop.time() + delay, data))
@@ -92,17 +106,62 @@ class _Direction:
 
     async def write_queued(self) -> None:
         loop = asyncio.get_running_loop()
+        pending = bytearray()  # due bytes the trickle has not let through yet
+        held: tuple[float, bytes] | None = None  # taken off the queue to coalesce, not due
+        ended = False  # the reader's end mark has been taken off the queue
+        last_piece = -math.inf  # when the trickle last let a piece through
         try:
-            while (item := await self.queue.get()) is not None:
-                self.busy = True
-                due, data = item
-                wait = due - loop.time()
+            while True:
+                if not pending:
+                    item = held if held is not None or ended else await self.queue.get()
+                    held = None
+                    if item is None:
+                        return
+                    self.busy = True
+                    due, data = item
+                    wait = due - loop.time()
+                    if wait > 0:
+                        await asyncio.sleep(wait)
+                    if self.proxy._trickle_for(self.name) is None:
+                        await self._send(data)
+                        self.busy = False
+                        continue
+                    pending += data
+                trickle = self.proxy._trickle_for(self.name)
+                if trickle is None:  # lifted while bytes were held back: send them now
+                    data = bytes(pending)
+                    pending.clear()
+                    await self._send(data)
+                    self.busy = held is not None
+                    continue
+                nbytes, every = trickle
+                while len(pending) < nbytes and held is None and not ended:
+                    try:
+                        item = self.queue.get_nowait()
+                    except asyncio.QueueEmpty:
+                        break
+                    if item is None:
+                        ended = True
+                    elif item[0] <= loop.time():
+                        pending += item[1]
+                    else:
+                        held = item
+                wait = last_piece + every - loop.time()
                 if wait > 0:
-                    await asyncio.sleep(wait)
-                await self._send(data)
-                self.busy = False
+                    await self._pause(wait)
+                    continue  # the setting may have changed, more bytes may be due
+                piece = bytes(pending[:nbytes])
+                del pending[:nbytes]
+                last_piece = loop.time()
+                await self._send(piece)
+                self.busy = bool(pending) or held is not None
         except OSError:
             pass
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep between trickle pieces; a change of the trickle setting ends it early."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.proxy._trickle_changed.wait(), seconds)
 
     async def _send(self, data: bytes) -> None:
         if self.proxy._blackhole:
@@ -141,8 +200,8 @@ class _Link:
             up_writer.transport.abort()
             await self._closed
             return
-        up = _Direction(proxy, up_writer, "bytes_up")
-        down = _Direction(proxy, self.client_writer, "bytes_down")
+        up = _Direction(proxy, up_writer, "up")
+        down = _Direction(proxy, self.client_writer, "down")
         self.tasks = [
             asyncio.create_task(up.read_from(self.client_reader)),
             asyncio.create_task(down.read_from(up_reader)),
@@ -195,6 +254,9 @@ class FaultProxy:
         self.host = listen_host
         self.port = listen_port  # the real port once started (kept for a later start())
         self._delay = 0.0
+        self._trickle: tuple[int, float, str] | None = None  # nbytes, every, direction
+        # Set (and replaced) on every trickle change, to wake writers pausing between pieces.
+        self._trickle_changed = asyncio.Event()
         self._blackhole = False
         self._refuse = False
         self._stats = {"accepted": 0, "reset": 0, "bytes_up": 0, "bytes_down": 0}
@@ -249,9 +311,14 @@ class FaultProxy:
         self.stop()
 
     def __repr__(self) -> str:
+        trickle = "off"
+        if self._trickle is not None:
+            nbytes, every, direction = self._trickle
+            trickle = f"{nbytes}B/{every:g}s {direction}"
         return (
             f"<FaultProxy {self.host}:{self.port} -> {self.target_host}:{self.target_port}"
-            f" delay={self._delay * 2:g}s blackhole={self._blackhole} refuse={self._refuse}>"
+            f" delay={self._delay * 2:g}s trickle={trickle} blackhole={self._blackhole}"
+            f" refuse={self._refuse}>"
         )
 
     # -- faults
@@ -260,6 +327,32 @@ class FaultProxy:
         if rtt_seconds < 0:
             raise ValueError(f"rtt_seconds must be >= 0, not {rtt_seconds}")
         self._control(lambda: setattr(self, "_delay", rtt_seconds / 2))
+
+    def set_trickle(self, nbytes: int | None, every: float = 0.0, direction: str = "down") -> None:
+        """Forward at most *nbytes* per *every* seconds in *direction*; 0 or None: off.
+
+        *direction* is "down" (server -> client), "up" (client -> server) or "both".
+        One setting: each call replaces the previous one, so ``set_trickle(0)`` lifts
+        the trickle in both directions. Bytes already held back are sent at the new rate
+        (or at once when lifted) as soon as this returns.
+        """
+        if direction not in _DIRECTIONS:
+            raise ValueError(f"direction must be one of {_DIRECTIONS}, not {direction!r}")
+        if not nbytes:
+            setting = None
+        elif nbytes < 0 or not every > 0:
+            raise ValueError(
+                f"a trickle needs nbytes > 0 and every > 0 seconds, not {nbytes}, {every}"
+            )
+        else:
+            setting = (int(nbytes), float(every), direction)
+
+        def change() -> None:
+            self._trickle = setting
+            self._trickle_changed.set()
+            self._trickle_changed = asyncio.Event()
+
+        self._control(change)
 
     def set_blackhole(self, on: bool) -> None:
         """Keep accepting and reading, forward nothing either way (clients hang)."""
@@ -288,6 +381,8 @@ class FaultProxy:
     # -- loop side
     def _run(self, loop: asyncio.AbstractEventLoop, ready: concurrent.futures.Future[None]) -> None:
         asyncio.set_event_loop(loop)
+        # An Event binds to the loop that first waits on it: a restarted proxy needs a new one.
+        self._trickle_changed = asyncio.Event()
         try:
             server = loop.run_until_complete(
                 asyncio.start_server(self._on_client, self.host, self.port)
@@ -305,6 +400,13 @@ class FaultProxy:
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.run_until_complete(loop.shutdown_default_executor())
             loop.close()
+
+    def _trickle_for(self, direction: str) -> tuple[int, float] | None:
+        """``(nbytes, every)`` if data going *direction* ("up"/"down") trickles."""
+        setting = self._trickle
+        if setting is None or setting[2] not in (direction, "both"):
+            return None
+        return setting[0], setting[1]
 
     async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._stats["accepted"] += 1

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote
 
 from .errors import CacheError, ConfigError
+from .proxy import FaultProxy
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -462,7 +463,16 @@ _S = TypeVar("_S", bound=LocalServer)
 
 
 class RedisServer(LocalServer):
-    """redis-server or valkey-server; ``kind`` says which one actually answered."""
+    """redis-server or valkey-server; ``kind`` says which one actually answered.
+
+    *maxmemory_policy* defaults to allkeys-lru because a cache should evict rather than
+    fail writes; "noeviction" lets a test fill the store and see ``OOM`` error replies.
+    *idle_timeout* is redis' ``timeout`` (whole seconds): the server closes a client
+    connection idle that long, which is how reconnect-after-idle is tested. A cluster
+    node with *announce_port* tells clients (``CLUSTER SLOTS``/``SHARDS``, ``MOVED``) to
+    use that port, e.g. a proxy's, while its bus port stays direct. *extra_args* come
+    last, and redis takes the last value of a directive, so they win over all of these.
+    """
 
     def __init__(
         self,
@@ -472,9 +482,12 @@ class RedisServer(LocalServer):
         unix_socket: bool = False,
         port: int | None = None,
         maxmemory: str | None = None,
+        maxmemory_policy: str = "allkeys-lru",
+        idle_timeout: int | None = None,
         extra_args: Sequence[str] = (),
         password: str | None = None,
         cluster: bool = False,
+        announce_port: int | None = None,
     ) -> None:
         if binary is None:
             binary, self.kind = find_redis_binary(prefer)
@@ -482,10 +495,17 @@ class RedisServer(LocalServer):
             self.kind = _binary_kind(binary)
         if cluster and unix_socket:
             raise ConfigError("a cluster node needs a TCP port: use unix_socket=False")
+        if announce_port is not None and not cluster:
+            raise ConfigError("announce_port is a cluster setting: use cluster=True")
+        if idle_timeout is not None and idle_timeout < 0:
+            raise ConfigError(f"idle_timeout must be >= 0 seconds, not {idle_timeout}")
         self.maxmemory = maxmemory
+        self.maxmemory_policy = maxmemory_policy
+        self.idle_timeout = idle_timeout
         self.password = password
         self.cluster = cluster
         self.cluster_port: int | None = None
+        self.announce_port = announce_port
         self.extra_args = list(extra_args)
         super().__init__(binary, port=port, unix_socket_name="redis.sock" if unix_socket else None)
         if cluster and self.cluster_port is None:
@@ -534,15 +554,26 @@ class RedisServer(LocalServer):
             args += ["--unixsocket", self.unix_socket, "--unixsocketperm", "700"]
         if self.password is not None:
             args += ["--requirepass", self.password]
+        # Always passed: redis' own default is noeviction, even when maxmemory is set later.
+        args += ["--maxmemory-policy", self.maxmemory_policy]
         if self.maxmemory is not None:
-            # A cache should evict, not fail writes (the default policy is noeviction).
-            args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"]
+            args += ["--maxmemory", self.maxmemory]
+        if self.idle_timeout is not None:
+            args += ["--timeout", str(self.idle_timeout)]
         if self.cluster:
             args += [
                 "--cluster-enabled", "yes",
                 "--cluster-config-file", os.path.join(self.temp_dir, "nodes.conf"),
                 "--cluster-node-timeout", "5000",
                 "--cluster-port", str(self.cluster_port),
+            ]  # fmt: skip
+        if self.announce_port is not None:
+            # The announced bus port is spelled out: it must stay the real one (nodes
+            # gossip directly), and what redis derives when it is unset differs by version.
+            args += [
+                "--cluster-announce-ip", self.host,
+                "--cluster-announce-port", str(self.announce_port),
+                "--cluster-announce-bus-port", str(self.cluster_port),
             ]  # fmt: skip
         return args + self.extra_args  # later arguments win
 
@@ -561,7 +592,12 @@ class RedisServer(LocalServer):
 
 
 class MemcachedServer(LocalServer):
-    """memcached on a loopback TCP port (UDP off)."""
+    """memcached on a loopback TCP port (UDP off).
+
+    *item_size* is ``-I`` (largest value, e.g. "8m"; memcached's default is 1m).
+    *no_evict* is ``-M``: when memory is full, a set gets ``SERVER_ERROR out of memory``
+    instead of evicting, so a test can fill the store and see the error.
+    """
 
     kind = "memcached"
 
@@ -573,11 +609,13 @@ class MemcachedServer(LocalServer):
         memory_mb: int = 64,
         item_size: str | None = None,
         threads: int = 2,
+        no_evict: bool = False,
         extra_args: Sequence[str] = (),
     ) -> None:
         self.memory_mb = memory_mb
         self.item_size = item_size
         self.threads = threads
+        self.no_evict = no_evict
         self.extra_args = list(extra_args)
         super().__init__(binary or find_memcached_binary(), port=port, unix_socket_name=None)
 
@@ -601,6 +639,8 @@ class MemcachedServer(LocalServer):
         ]  # fmt: skip
         if self.item_size is not None:
             args += ["--max-item-size", self.item_size]
+        if self.no_evict:
+            args.append("--disable-evictions")
         if os.geteuid() == 0:
             args += ["--user", "root"]  # memcached refuses to run as root without -u
         return args + self.extra_args
@@ -639,16 +679,23 @@ def start_redis(
     unix_socket: bool = False,
     port: int | None = None,
     maxmemory: str | None = None,
+    maxmemory_policy: str = "allkeys-lru",
+    idle_timeout: int | None = None,
     extra_args: Sequence[str] = (),
     password: str | None = None,
 ) -> RedisServer:
-    """Start a private redis-server/valkey-server and return it once it answers."""
+    """Start a private redis-server/valkey-server and return it once it answers.
+
+    The options are :class:`RedisServer`'s.
+    """
     server = RedisServer(
         binary,
         prefer=prefer,
         unix_socket=unix_socket,
         port=port,
         maxmemory=maxmemory,
+        maxmemory_policy=maxmemory_policy,
+        idle_timeout=idle_timeout,
         extra_args=extra_args,
         password=password,
     )
@@ -661,11 +708,17 @@ def start_memcached(
     memory_mb: int = 64,
     item_size: str | None = None,
     threads: int = 2,
+    no_evict: bool = False,
     extra_args: Sequence[str] = (),
 ) -> MemcachedServer:
-    """Start a private memcached; *item_size* is its ``-I`` (e.g. "8m", default 1m)."""
+    """Start a private memcached; the options are :class:`MemcachedServer`'s."""
     server = MemcachedServer(
-        port=port, memory_mb=memory_mb, item_size=item_size, threads=threads, extra_args=extra_args
+        port=port,
+        memory_mb=memory_mb,
+        item_size=item_size,
+        threads=threads,
+        no_evict=no_evict,
+        extra_args=extra_args,
     )
     return _started(server)
 
@@ -682,16 +735,30 @@ def _started(server: _S) -> _S:
 
 
 class RedisCluster:
-    """A local Redis Cluster: n masters, no replicas, all on loopback."""
+    """A local Redis Cluster: n masters, no replicas, all on loopback.
 
-    def __init__(self, nodes: list[RedisServer]) -> None:
+    With *through_proxies*, node i is started with ``proxies[i]``'s port as its announced
+    client port, so ``CLUSTER SLOTS``/``SHARDS`` and ``MOVED`` name the proxies and every
+    client connection to node i goes through proxy i: a fault on one proxy hits exactly
+    the keys of that node's slots. The cluster bus stays direct (nodes gossip without
+    the proxies, so a proxy fault never makes the cluster itself fail), and so do our own
+    setup and readiness calls. A proxy stays up while its node is killed: clients then
+    see what they would see of a crashed server, and restart() reconnects it.
+    """
+
+    def __init__(self, nodes: list[RedisServer], *, through_proxies: bool = False) -> None:
         if not nodes:
             raise ConfigError("a cluster needs at least one node")
         self.nodes = nodes
+        self.proxies: list[FaultProxy] = (
+            [FaultProxy(node.host, _tcp_port(node)) for node in nodes] if through_proxies else []
+        )
 
     @property
     def url(self) -> str:
-        return "redis+cluster://" + ",".join(f"{n.host}:{n.port}" for n in self.nodes)
+        """The nodes' addresses as clients should use them: the proxies' when proxied."""
+        ends: Sequence[FaultProxy | RedisServer] = self.proxies or self.nodes
+        return "redis+cluster://" + ",".join(f"{end.host}:{end.port}" for end in ends)
 
     @property
     def version(self) -> str:
@@ -703,8 +770,8 @@ class RedisCluster:
 
     def start(self, timeout: float = 30.0) -> Self:
         """Start every node, assign slots if nobody has any, wait for cluster_state:ok."""
-        for node in self.nodes:
-            node.start()
+        for i in range(len(self.nodes)):
+            self._start_node(i)
         infos = [self._info(node) for node in self.nodes]
         if all(info.get("cluster_slots_assigned") == "0" for info in infos):
             _create_cluster(self.nodes, timeout)
@@ -712,8 +779,27 @@ class RedisCluster:
         return self
 
     def stop(self) -> None:
+        """Stop every node and proxy. Idempotent."""
         for node in self.nodes:
             node.stop()
+        for proxy in self.proxies:
+            proxy.stop()
+
+    def kill(self, i: int) -> None:
+        """SIGKILL node *i*, like a crash; its port, dir and ``nodes.conf`` are kept."""
+        self.nodes[i].kill()
+
+    def restart(self, i: int, timeout: float = 30.0) -> None:
+        """Start node *i* again on its port, wait (at most *timeout* s) for cluster_state:ok.
+
+        It reads back its ``nodes.conf``, so it rejoins as the same node and owns the
+        same slots, with no data (no persistence). Back within the node timeout (5 s)
+        the cluster is ok within ~2 s (a restarted master waits that long before it
+        reports ok); once the others have marked it failed, they only clear that after
+        twice the node timeout.
+        """
+        self.nodes[i].restart()
+        self._wait_ok(timeout)
 
     def __enter__(self) -> Self:
         return self.start()
@@ -722,7 +808,20 @@ class RedisCluster:
         self.stop()
 
     def __repr__(self) -> str:
-        return f"<RedisCluster {self.kind} {self.version} {self.url}>"
+        via = " through proxies" if self.proxies else ""
+        return f"<RedisCluster {self.kind} {self.version} {self.url}{via}>"
+
+    def _start_node(self, i: int) -> None:
+        node = self.nodes[i]
+        if not self.proxies:
+            node.start()
+            return
+        proxy = self.proxies[i].start()  # first: the node must announce the proxy's port
+        node.announce_port = proxy.port
+        node.start()
+        # A node only moves to another port (a lost free-port race) in its first start,
+        # before anyone knows the proxy's port: pointing the proxy there races nothing.
+        proxy.target_port = _tcp_port(node)
 
     @staticmethod
     def _info(node: RedisServer) -> dict[str, str]:
@@ -745,16 +844,26 @@ class RedisCluster:
             time.sleep(0.05)
 
 
+def _tcp_port(node: RedisServer) -> int:
+    assert node.port is not None, "cluster nodes listen on TCP"
+    return node.port
+
+
 def _slot_ranges(n: int) -> list[tuple[int, int]]:
     bounds = [CLUSTER_SLOTS * i // n for i in range(n + 1)]
     return [(bounds[i], bounds[i + 1] - 1) for i in range(n)]
 
 
 def _create_cluster(nodes: list[RedisServer], timeout: float) -> None:
-    """With redis-cli when there is one (it needs >= 3 masters), else by hand."""
+    """With redis-cli when there is one (it needs >= 3 masters), else by hand.
+
+    Nodes are met at their announced ports (a proxy's, if any), the ones the cluster will
+    know them by, so no address has to be corrected by gossip afterwards.
+    """
+    ports = [n.announce_port or _tcp_port(n) for n in nodes]
     cli = _find_cli(nodes[0].binary)
     if cli is not None and len(nodes) >= 3:
-        addrs = [f"{n.host}:{n.port}" for n in nodes]
+        addrs = [f"{n.host}:{port}" for n, port in zip(nodes, ports, strict=True)]
         argv = [cli, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"]
         try:
             done = subprocess.run(
@@ -775,20 +884,31 @@ def _create_cluster(nodes: list[RedisServer], timeout: float) -> None:
             node.call("CLUSTER", "ADDSLOTSRANGE", low, high)
         except _RespError:  # before Redis 7.0
             node.call("CLUSTER", "ADDSLOTS", *range(low, high + 1))
-    for node in nodes[1:]:
-        nodes[0].call("CLUSTER", "MEET", node.host, node.port, node.cluster_port or 0)
+    for node, port in zip(nodes[1:], ports[1:], strict=True):
+        nodes[0].call("CLUSTER", "MEET", node.host, port, node.cluster_port or 0)
 
 
-def start_redis_cluster(n: int = 3, *, binary: str | None = None) -> RedisCluster:
-    """Start *n* cluster-enabled masters (0 replicas) and wait until the cluster is ok."""
+def start_redis_cluster(
+    n: int = 3, *, binary: str | None = None, through_proxies: bool = False
+) -> RedisCluster:
+    """Start *n* cluster-enabled masters (0 replicas) and wait until the cluster is ok.
+
+    With *through_proxies*, clients reach node i only through ``proxies[i]``, a
+    :class:`~asynccache.proxy.FaultProxy` (see :class:`RedisCluster`).
+    """
     if n < 1:
         raise ConfigError(f"a cluster needs at least one node, not {n}")
     nodes: list[RedisServer] = []
     try:
         for _ in range(n):
             nodes.append(RedisServer(binary, cluster=True))
-        return RedisCluster(nodes).start()
+        cluster = RedisCluster(nodes, through_proxies=through_proxies)
     except BaseException:
         for node in nodes:
             node.stop()
+        raise
+    try:
+        return cluster.start()
+    except BaseException:
+        cluster.stop()
         raise
