@@ -21,7 +21,8 @@ Rules that keep it correct:
   failure (raise) or a miss (fallback) at once.
 * A read-ahead *miss* is trusted only when consumed in plan order: one consumed out of
   order may be older than a write made meanwhile, so it is read again.
-* A wrong plan costs at most one window of reads (bounded buffer, dropped on replan).
+* A wrong plan costs little: the buffer is bounded, a replan drops the old window, and
+  reads that wander off the plan cost at most one pass over it.
 
 The plan, best first: an explicit order (re-planned from it when used up); the pipe's
 iteration order; or sequential read-ahead once two consecutive int indices (or two
@@ -223,8 +224,11 @@ class Prefetcher:
         """The value of ``index`` if it is in flight (waiting for it); ``_NOTHING`` if it
         was never requested or its read failed (fallback; raise mode raises)."""
         ticket = self.inflight.get(index)
-        if ticket is None:
-            return _NOTHING
+        if ticket is None:  # never requested, or delivered by an earlier wait
+            value = self.ready.pop(index, _NOTHING)
+            if value is not _NOTHING:
+                self.prefetch_hits += 1
+            return value
         if not ticket.done:
             self._deliver(self.source.poll())
         stalled = not ticket.done
@@ -299,6 +303,7 @@ class Prefetcher:
 
     def take_many(self, indices: Sequence[Any]) -> list[Any]:
         """Values for a whole batch: ready ones, awaited ones, then one request for the rest."""
+        self._deliver(self.source.poll())  # whatever arrived since the last read
         pop = self.ready.pop
         out = [pop(i, _NOTHING) for i in indices]
         contiguous = (bool(indices) and type(indices[0]) is int

@@ -1,0 +1,71 @@
+"""The documented key encoding: injective across types, stable, clear about refusals."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import asynccache as ac
+from asynccache.keys import check_namespace, encode_key, namespace_prefix
+
+atoms = st.one_of(st.integers(), st.text(), st.binary())
+keys = st.recursive(atoms, lambda inner: st.tuples(inner, inner) | st.tuples(inner),
+                    max_leaves=6)
+
+
+def canonical(key: object) -> object:
+    """What a key means: True and 1 are one key, as in a dict."""
+    if isinstance(key, tuple):
+        return ("tuple", tuple(canonical(k) for k in key))
+    if isinstance(key, bool | int):
+        return ("int", int(key))
+    return (type(key).__name__, key)
+
+
+def test_documented_examples() -> None:
+    assert encode_key(42) == b"42" and encode_key(-3) == b"-3"
+    assert encode_key("cat.jpg") == b"s:cat.jpg"
+    assert encode_key(b"\x00\x01") == b"b:\x00\x01"
+    assert encode_key((1, "a")) == b"t:1:13:s:a"
+    assert namespace_prefix("ds-v1") == b"ac:ds-v1:"
+
+
+def test_integer_likes_share_the_int_key() -> None:
+    for value in (np.int64(7), np.uint8(7), torch.tensor(7), torch.tensor([7])[0], True * 7):
+        assert encode_key(value) == b"7"
+
+
+@given(keys, keys)
+def test_injective(a: object, b: object) -> None:
+    if canonical(a) != canonical(b):
+        assert encode_key(a) != encode_key(b)
+    else:
+        assert encode_key(a) == encode_key(b)
+
+
+def test_no_clash_between_kinds_that_print_alike() -> None:
+    samples = [5, "5", b"5", (5,), ("5",), ("a:b",), ("a", "b"), "s:a", b"s:a", ("t:",)]
+    encoded = [encode_key(k) for k in samples]
+    assert len(set(encoded)) == len(samples)
+    for a, b in itertools.combinations(samples, 2):
+        assert encode_key(a) != encode_key(b)
+
+
+@pytest.mark.parametrize("bad", [1.5, None, object(), torch.tensor(1.5), [1, 2]])
+def test_refused_keys_say_what_to_do(bad: object) -> None:
+    with pytest.raises(ac.KeyEncodingError, match="cache key"):
+        encode_key(bad)
+    assert issubclass(ac.KeyEncodingError, ac.CacheError)
+
+
+def test_namespace_rules() -> None:
+    assert check_namespace(None) == "default" and check_namespace("x") == "x"
+    with pytest.raises(ac.ConfigError):
+        check_namespace("")
+    with pytest.raises(ac.KeyTooLong, match="short name"):
+        check_namespace("n" * 300)

@@ -1,0 +1,310 @@
+"""The prefetcher against a scripted fake source: no network, no threads, no loop.
+
+The fake completes tickets when the test says so (or when the consumer waits), with
+values, misses, per-key failures (``NOT_READ`` plus an error) or not at all (deadline),
+so every path of the plan / window / ready logic can be driven exactly.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+import asynccache as ac
+from asynccache.clients.base import NOT_READ
+from asynccache.core import MISSING, Failed
+from asynccache.prefetch import Prefetcher, batch_size_for
+from asynccache.sources import ReadSource, Ticket
+
+
+def key_of(index: Any) -> bytes:
+    return repr(index).encode()
+
+
+class ScriptedSource(ReadSource):
+    """Completes tickets from ``store`` (index -> value); scripted faults per index.
+
+    ``auto``: tickets complete as soon as they are submitted (the store answers at once).
+    Otherwise they stay in flight until :meth:`complete` or until the consumer waits:
+    ``wait`` completes the ticket unless ``hang`` is set (then it reports a deadline).
+    ``down``: indices whose node fails (``NOT_READ``, ``error`` set).
+    """
+
+    def __init__(self, store: dict[Any, Any], *, auto: bool = False) -> None:
+        self.store = store
+        self.auto = auto
+        self.hang = False
+        self.down: set[Any] = set()
+        self.error = ac.StoreTimeout("scripted timeout")
+        self.submitted: list[Ticket] = []
+        self.in_flight: list[Ticket] = []
+        self.completed: list[Ticket] = []
+
+    def submit(self, ticket: Ticket) -> None:
+        self.submitted.append(ticket)
+        self.in_flight.append(ticket)
+        if self.auto:
+            self.complete(ticket)
+
+    def complete(self, ticket: Ticket | None = None) -> None:
+        ticket = ticket or self.in_flight[0]
+        self.in_flight.remove(ticket)
+        values = []
+        for index in ticket.indices:
+            if index in self.down:
+                values.append(NOT_READ)
+                ticket.partial = True
+                ticket.error = self.error
+            else:
+                values.append(self.store.get(index, MISSING))
+        ticket.values = values
+        ticket.done = True
+        self.completed.append(ticket)
+
+    def complete_all(self) -> None:
+        while self.in_flight:
+            self.complete()
+
+    def poll(self) -> list[Ticket]:
+        out, self.completed = self.completed, []
+        return out
+
+    def wait(self, ticket: Ticket) -> bool:
+        if self.hang:
+            return False
+        if not ticket.done:
+            self.complete(ticket)
+        return True
+
+    @property
+    def requested(self) -> list[Any]:
+        return [i for t in self.submitted for i in t.indices]
+
+
+def make(store: dict[Any, Any], prefetch: int = 8, *, length: int | None = 100,
+         strict: bool = False, auto: bool = False) -> tuple[Prefetcher, ScriptedSource]:
+    source = ScriptedSource(store, auto=auto)
+    return Prefetcher(source, key_of, length, prefetch, strict), source
+
+
+def full_store(n: int = 100) -> dict[int, str]:
+    return {i: f"v{i}" for i in range(n)}
+
+
+def test_batch_size_keeps_two_requests_in_flight() -> None:
+    assert batch_size_for(0) == 0
+    assert batch_size_for(8) == 8 and batch_size_for(64) == 32 and batch_size_for(1024) == 256
+
+
+def test_planned_reads_are_prefetch_hits_in_batches() -> None:
+    p, source = make(full_store(), prefetch=32)
+    p.set_plan(list(range(100)))
+    assert source.requested == list(range(32))  # the window, two batches of 16
+    source.complete_all()
+    got = []
+    for i in range(100):
+        got.append(p.take(i))
+        source.complete_all()
+    assert got == [f"v{i}" for i in range(100)]
+    assert p.prefetch_hits == 100 and p.stalls == 0 and p.direct_reads == 0
+    assert p.hits == 100 and p.misses == 0
+    assert [len(t.indices) for t in source.submitted] == [16] * 6 + [4]
+    assert not p.inflight and not p.ready
+
+
+def test_window_bounds_what_is_requested_ahead() -> None:
+    p, source = make(full_store(), prefetch=16)
+    p.set_plan(list(range(100)))
+    for i in range(50):
+        p.take(i)
+        ahead = len(p.inflight) + len(p.ready)
+        assert ahead <= 16
+    assert max(source.requested) < 50 + 16
+
+
+def test_a_value_still_in_flight_is_waited_for_as_a_stall() -> None:
+    p, _source = make(full_store(), prefetch=8)
+    p.set_plan(list(range(20)))
+    assert p.take(0) == "v0"  # waited: the source completes it in wait()
+    assert p.stalls == 1 and p.prefetch_hits == 0 and p.direct_reads == 0
+
+
+def test_unplanned_index_is_one_direct_read() -> None:
+    p, source = make(full_store(), prefetch=0)
+    assert p.take(42) == "v42"
+    assert p.direct_reads == 1 and [t.indices for t in source.submitted] == [[42]]
+    assert source.submitted[0].direct
+
+
+def test_sequential_reads_switch_to_read_ahead() -> None:
+    p, source = make(full_store(), prefetch=8, auto=True)
+    assert [p.take(i) for i in (10, 11)] == ["v10", "v11"]
+    # two in a row: read-ahead from 12 is sent first, pipelined before 11's own read
+    assert source.requested == [10, *range(12, 20), 11]
+    for i in range(12, 40):
+        assert p.take(i) == f"v{i}"
+    assert p.direct_reads == 2 and p.prefetch_hits == 28
+
+
+def test_keyed_sources_have_no_sequential_guess() -> None:
+    p, source = make({"a": 1, "b": 2}, prefetch=8, length=None, auto=True)
+    assert p.take("a") == 1 and p.take("b") == 2
+    assert p.direct_reads == 2 and len(source.submitted) == 2
+
+
+def test_read_ahead_failure_is_dropped_and_read_again_later() -> None:
+    """A failed batch leaves no stale misses: once the store is back it is used again."""
+    p, source = make(full_store(), prefetch=16)
+    source.down = set(range(8, 16))
+    p.set_plan(list(range(40)))
+    source.complete_all()
+    assert p.take(0) == "v0"
+    assert all(i not in p.inflight for i in range(16))  # delivered or dropped, never stuck
+    assert 8 not in p.ready and 7 in p.ready
+    for i in range(1, 8):
+        assert p.take(i) == f"v{i}"
+    source.down = set()  # the store came back
+    source.auto = True
+    assert [p.take(i) for i in range(8, 16)] == [f"v{i}" for i in range(8, 16)]
+    assert p.direct_reads == 8 and p.misses == 0
+
+
+def test_waiting_on_a_failed_batch_is_a_miss_in_fallback() -> None:
+    p, source = make(full_store(), prefetch=8)
+    p.set_plan(list(range(20)))
+    source.down = set(range(8))
+    source.auto = True
+    # the in-flight batch fails while the consumer waits for index 0; the direct read
+    # that follows fails too (the node is still down): a miss, computed by the caller
+    assert p.take(0) is MISSING
+    assert p.misses == 1 and 0 not in p.inflight
+
+
+def test_raise_mode_raises_fresh_errors_only() -> None:
+    p, source = make(full_store(), prefetch=8, strict=True)
+    p.set_plan(list(range(30)))
+    source.down = set(range(8))
+    with pytest.raises(ac.StoreTimeout):
+        p.take(0)  # waited on the failed batch: its error, now
+    source.down = set()
+    source.auto = True
+    # the store is back: the failed indices are read again, no stale error
+    assert [p.take(i) for i in range(1, 8)] == [f"v{i}" for i in range(1, 8)]
+    assert p.take(0) == "v0"
+
+
+def test_raise_mode_does_not_raise_for_a_batch_nobody_waits_for() -> None:
+    p, source = make(full_store(), prefetch=16, strict=True)
+    p.set_plan(list(range(40)))
+    source.down = set(range(8, 16))
+    source.complete_all()
+    source.down = set()
+    source.auto = True
+    assert [p.take(i) for i in range(16)] == [f"v{i}" for i in range(16)]
+
+
+def test_deadline_abandons_the_ticket_and_ignores_its_late_result() -> None:
+    p, source = make(full_store(), prefetch=8)
+    p.set_plan(list(range(20)))
+    source.hang = True
+    assert p.take(0) is MISSING  # the in-flight batch and the direct read both time out
+    assert p.stall_timeouts == 2 and not any(i in p.inflight for i in range(8))
+    source.hang = False
+    source.complete_all()  # the late results arrive
+    p.take(1)
+    assert 2 not in p.ready  # the abandoned batch's values were ignored
+    source.auto = True
+    assert p.take(2) == "v2"
+
+
+def test_deadline_in_raise_mode_raises_a_timeout() -> None:
+    p, source = make(full_store(), prefetch=0, strict=True)
+    source.hang = True
+    with pytest.raises(ac.StoreTimeout):
+        p.take(3)
+
+
+def test_read_ahead_miss_out_of_plan_order_is_read_again() -> None:
+    store: dict[int, str] = {}
+    p, _source = make(store, prefetch=16, auto=True)
+    p.set_plan(list(range(40)))  # everything read ahead as misses
+    store.update(full_store(40))  # ... then another worker writes them
+    assert p.take(0) is MISSING  # in plan order: the miss is trusted
+    assert p.take(10) == "v10"  # out of order: read again, found
+    assert p.take_many([20, 12]) == ["v20", "v12"]
+
+
+def test_decode_failure_raises_only_for_its_index_in_raise_mode() -> None:
+    store: dict[int, Any] = {**full_store(20), 3: Failed(ac.DecodeError("bad bytes"))}
+    p, _source = make(store, prefetch=8, strict=True, auto=True)
+    p.set_plan(list(range(20)))
+    assert [p.take(i) for i in range(3)] == ["v0", "v1", "v2"]
+    with pytest.raises(ac.DecodeError):
+        p.take(3)
+    assert p.take(4) == "v4"
+
+
+def test_order_is_replanned_each_epoch_and_an_empty_replan_stops() -> None:
+    epochs: list[list[int]] = [[5, 3, 1], [2, 4], []]
+    p, _source = make(full_store(), prefetch=8, auto=True)
+
+    def replan() -> list[int]:
+        return epochs.pop(0) if epochs else []
+
+    p.set_plan(replan(), replan)
+    assert [p.take(i) for i in (5, 3, 1)] == ["v5", "v3", "v1"]
+    assert [p.take(i) for i in (2, 4)] == ["v2", "v4"]  # the next epoch's plan
+    assert p.direct_reads == 0
+    assert p.take(7) == "v7"  # the order ran dry: a direct read, no recursion
+    assert p.replan is None
+
+
+def test_take_many_mixes_ready_in_flight_and_direct() -> None:
+    p, source = make(full_store(), prefetch=16)
+    p.set_plan(list(range(16)))
+    source.complete(source.in_flight[0])  # 0..7 ready, 8..15 in flight
+    got = p.take_many([0, 1, 9, 50, 51, 50])
+    assert got == ["v0", "v1", "v9", "v50", "v51", "v50"]
+    direct = [t for t in source.submitted if t.direct]
+    assert [t.indices for t in direct] == [[50, 51]]  # one request for the rest, deduped
+
+
+def test_wrong_guesses_cost_at_most_one_pass_over_the_plan() -> None:
+    rng = random.Random(1)
+    p, source = make(full_store(400), prefetch=32, length=400, auto=True)
+    p.set_plan(list(range(400)))
+    reads = [rng.randrange(400) for _ in range(300)]
+    assert [p.take(i) for i in reads] == [f"v{i}" for i in reads]
+    assert len(source.requested) <= len(reads) + 400
+    assert len(p.ready) <= 2 * 32 + 16
+
+
+def test_replan_drops_the_old_window() -> None:
+    p, source = make(full_store(), prefetch=16)
+    p.set_plan(list(range(50)))
+    p.set_plan(list(range(50, 100)))
+    source.complete_all()  # the old plan's tickets complete late
+    p.take(50)
+    assert all(i not in p.ready for i in range(16))
+    assert p.wasted == 0 or p.wasted <= 16
+
+
+def test_values_equal_the_store_under_random_faults() -> None:
+    """Whatever fails, a value handed out is the store's value for that index."""
+    rng = random.Random(7)
+    store = full_store(200)
+    p, source = make(store, prefetch=24, length=200)
+    order = list(range(200))
+    rng.shuffle(order)
+    p.set_plan(order, lambda: list(order))
+    for _ in range(3):
+        for i in order:
+            source.down = {j for j in range(200) if rng.random() < 0.2}
+            source.hang = rng.random() < 0.05
+            value = p.take(i)
+            assert value is MISSING or value == store[i]
+            if rng.random() < 0.5:
+                source.complete_all()
+    assert p.hits + p.misses == 600
