@@ -196,7 +196,7 @@ class _Call(ABC):
         for command in commands:
             try:
                 owner = owner_of(command.slot)
-            except rexc.SlotNotCoveredError:
+            except (rexc.SlotNotCoveredError, KeyError):  # redis-py 8 lets a KeyError out
                 url = self.client.safe_url
                 self.fail(url, StoreUnavailable(
                     f"slot {command.slot} of redis cluster {url} is served by no node"),
