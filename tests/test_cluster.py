@@ -8,7 +8,9 @@ it back as they found it; the session's ``redis_cluster`` is only read and writt
 from __future__ import annotations
 
 import asyncio
+import os
 import pickle
+import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
@@ -254,6 +256,50 @@ async def test_dead_node_costs_only_its_keys_and_comes_back(
     written = await own_client.write({k: b"back" for k in keys})
     assert (written.written, written.failures) == (len(keys), {})
     assert await own_client.get_many(keys) == [b"back"] * len(keys)
+
+
+async def test_a_node_that_does_not_answer_times_out_alone(
+    own_cluster: servers.RedisCluster, namespace: str
+) -> None:
+    client = ac.connect(own_cluster.url, timeout=0.5)
+    keys = [f"{namespace}:{i}".encode() for i in range(60)]
+    try:
+        await client.set_many({k: k for k in keys})
+        stuck = own_cluster.nodes[0]
+        unread = set(keys_by_node(own_cluster, keys)[name(stuck)])
+        os.kill(stuck.pid, signal.SIGSTOP)  # accepts connections, answers nothing
+        try:
+            started = time.monotonic()
+            result = await client.read(keys)
+            assert time.monotonic() - started < 1.5
+            assert set(result.failures) == {name(stuck)}
+            assert isinstance(result.failures[name(stuck)], ac.StoreTimeout)
+            assert result.values == [NOT_READ if k in unread else k for k in keys]
+            written = await client.write({k: k for k in keys})
+            assert set(written.failures) == {name(stuck)}
+            assert written.written == len(keys) - len(unread)
+        finally:
+            os.kill(stuck.pid, signal.SIGCONT)
+        assert await client.get_many(keys) == keys  # a fresh connection once it answers
+    finally:
+        await client.close()
+
+
+async def test_no_startup_node_answers() -> None:
+    client = ac.connect(f"redis+cluster://127.0.0.1:{servers.free_port()}", timeout=0.5)
+    try:
+        result = await client.read([b"a", b"b"])
+        assert result.values == [NOT_READ, NOT_READ]
+        assert set(result.failures) == {client.safe_url}
+        assert isinstance(result.failures[client.safe_url], ac.StoreUnavailable)
+        written = await client.write({b"a": b"1"})
+        assert (set(written.failures), written.failed_keys) == ({client.safe_url}, 1)
+        with pytest.raises(ac.StoreUnavailable, match="slot map"):
+            await client.get_many([b"a"])
+        with pytest.raises(ac.StoreUnavailable):
+            await client.ping()
+    finally:
+        await client.close()
 
 
 async def test_a_node_leaving_the_map_loses_its_connection_and_its_keys_fail_alone(

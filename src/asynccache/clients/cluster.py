@@ -415,7 +415,8 @@ class RedisClusterClient(BaseClient[_ClusterState]):
         except asyncio.TimeoutError as exc:
             raise StoreTimeout(f"redis cluster {self.safe_url} did not give its slot map "
                                f"within {budget:g}s") from exc
-        except (rexc.RedisError, OSError) as exc:
+        except (rexc.RedisError, rexc.RedisClusterException, OSError) as exc:
+            # RedisClusterException ("cannot be connected") is not a RedisError
             raise StoreUnavailable(f"cannot read the slot map of redis cluster "
                                    f"{self.safe_url}: {exc}") from exc
         state.ready = True
