@@ -125,7 +125,7 @@ def _node_error(reply: Any, node: str) -> StoreError | None:
     if text.startswith("TRYAGAIN"):
         # a multi-key command on a slot half migrated: transient, no back-off
         return StoreError(f"redis cluster node {node} answered {text}: its slot is being "
-                          "migrated; those keys are read again on the next request")
+                          "migrated and those keys are split between two nodes for now")
     if text.startswith(_UNAVAILABLE):
         hint = ""
         if text.startswith("CLUSTERDOWN"):
@@ -253,7 +253,7 @@ class _Call(ABC):
                     if redirects is None:
                         self.fail(node, StoreError(
                             f"redis cluster node {node} redirected slot {command.slot} "
-                            f"again ({reply}) after a redirection; retried next request"),
+                            f"again ({reply}) after a redirection; its keys were not served"),
                             [command])
                     else:
                         redirects.append((command, moved))
