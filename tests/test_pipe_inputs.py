@@ -201,3 +201,27 @@ def test_parallel_mapper_threads_over_getitem(pipe_url: str, namespace: str) -> 
     stats = dp.stats()
     dp.close()
     assert stats["computed"] == n and stats["hits"] == n and stats["errors"] == 0
+
+
+def test_threads_starting_together_share_one_runtime(redis_server: Any, namespace: str) -> None:
+    """Found by the soak test: 4 threads reading a fresh pipe at once each built a
+    runtime, and all but one were dropped with their sockets open and counters lost."""
+    dp = ac.AsyncKVCacheMapDataPipe(Source(64), ac.connect(redis_server.url),
+                                    namespace=namespace)
+    barrier = threading.Barrier(8)
+    runtimes = set()
+
+    def first_read(t: int) -> None:
+        barrier.wait()
+        check(dp[t], t)
+        runtimes.add(id(dp._rt))
+
+    threads = [threading.Thread(target=first_read, args=(t,)) for t in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    stats = dp.stats()
+    dp.close()
+    assert len(runtimes) == 1
+    assert stats["hits"] + stats["misses"] == 8

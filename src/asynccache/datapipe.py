@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
+import os
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -61,6 +62,17 @@ __all__ = ["AsyncKVCacheMapDataPipe", "derive_namespace"]
 CLOSE_TIMEOUT = 10.0
 #: Attributes through which a datapipe chain or wrapper reaches what it wraps.
 _WRAPPED = ("datapipe", "sequence", "dataset", "source")
+
+
+_runtime_lock = threading.Lock()
+
+
+def _new_runtime_lock() -> None:
+    global _runtime_lock
+    _runtime_lock = threading.Lock()  # the parent's may have been held by another thread
+
+
+os.register_at_fork(after_in_child=_new_runtime_lock)
 
 
 def derive_namespace(source: Any) -> str:
@@ -257,11 +269,15 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
     # -- runtime ---------------------------------------------------------------------------
     def _runtime(self) -> _Runtime:
         rt = self._rt
-        if rt is None or not rt.current():
-            if rt is not None:
-                park_inherited(rt)  # the parent's prefetchers, sockets and locks
-            rt = self._rt = _Runtime(self)
-            rt.loop.add_shutdown_hook(self)
+        if rt is not None and rt.current():
+            return rt
+        with _runtime_lock:  # threads reading a fresh pipe at once must share one runtime
+            rt = self._rt
+            if rt is None or not rt.current():
+                if rt is not None:
+                    park_inherited(rt)  # the parent's prefetchers, sockets and locks
+                rt = self._rt = _Runtime(self)
+                rt.loop.add_shutdown_hook(self)
         return rt
 
     def __getstate__(self) -> dict[str, Any]:
