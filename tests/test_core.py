@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
+import struct
 import threading
+import zlib
 
 import numpy as np
 import pytest
@@ -174,3 +177,30 @@ async def test_write_behind_queue_is_bounded(namespace: str) -> None:
     await cache.flush()
     assert cache.stats()["writes_dropped"] == 200
     assert len(await cache.get_many(range(300))) == 100
+
+
+async def test_a_value_copied_under_another_key_is_a_counted_miss(
+    client: ac.BaseClient, namespace: str
+) -> None:
+    cache = ac.AsyncKVCache(client, namespace=namespace)
+    await cache.set_many({"a": "value of a", "b": "value of b"})
+    (blob_a,) = await client.get_many([cache.key("a")])
+    await client.set_many({cache.key("b"): blob_a})  # any writer of the store can do this
+    assert await cache.get_many(["a", "b"]) == {"a": "value of a"}
+    stats = cache.stats()
+    assert stats["decode_errors"] == 1 and stats["misses"] == 1 and stats["hits"] == 1
+    await client.close()
+
+
+async def test_values_of_another_format_version_are_plain_misses(
+    client: ac.BaseClient, namespace: str
+) -> None:
+    cache = ac.AsyncKVCache(client, namespace=namespace)
+    payload = pickle.dumps("written by asynccache 0.1", 5)
+    v1 = struct.pack("<3sBI", b"\xacC\x01", 0, zlib.crc32(payload, zlib.crc32(b"\x01\x00")))
+    await client.set_many({cache.key("old"): v1 + payload})
+    assert await cache.get_or_compute("old", lambda: "recomputed") == "recomputed"
+    assert await cache.get("old") == "recomputed"  # overwritten in the current format
+    stats = cache.stats()
+    assert stats["outdated"] == 1 and stats["errors"] == 0 and stats["decode_errors"] == 0
+    await client.close()

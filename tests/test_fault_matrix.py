@@ -101,9 +101,14 @@ class Deployment:
             proxy.set_blackhole(False)
             proxy.set_trickle(None)
             proxy.set_refuse(False)
-        for i, node in enumerate(self.nodes):
-            if not node.is_running():
-                self.restart(i)
+        dead = [i for i, node in enumerate(self.nodes) if not node.is_running()]
+        if self.cluster is not None and dead:
+            for i in dead:  # all of them first: a cluster is ok only with every node back
+                self.nodes[i].restart()
+            self.cluster.wait_ok()
+            return
+        for i in dead:
+            self.restart(i)
 
     def connect(self, **options: Any) -> ac.BaseClient:
         return ac.connect(self.url, timeout=TIMEOUT, connect_timeout=TIMEOUT, **options)

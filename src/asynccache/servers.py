@@ -775,7 +775,7 @@ class RedisCluster:
         infos = [self._info(node) for node in self.nodes]
         if all(info.get("cluster_slots_assigned") == "0" for info in infos):
             _create_cluster(self.nodes, timeout)
-        self._wait_ok(timeout)
+        self.wait_ok(timeout)
         return self
 
     def stop(self) -> None:
@@ -799,7 +799,7 @@ class RedisCluster:
         twice the node timeout.
         """
         self.nodes[i].restart()
-        self._wait_ok(timeout)
+        self.wait_ok(timeout)
 
     def __enter__(self) -> Self:
         return self.start()
@@ -827,7 +827,8 @@ class RedisCluster:
     def _info(node: RedisServer) -> dict[str, str]:
         return _parse_fields(node.call("CLUSTER", "INFO").decode(), ":")
 
-    def _wait_ok(self, timeout: float) -> None:
+    def wait_ok(self, timeout: float = 30.0) -> None:
+        """Wait until every node reports cluster_state:ok and knows all the others."""
         deadline = time.monotonic() + timeout
         pending = list(self.nodes)
         while pending:
