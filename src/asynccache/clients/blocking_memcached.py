@@ -231,10 +231,15 @@ class BlockingMemcachedConnection:
             raise
 
     def _recv_available(self) -> None:
-        """Feed the parser everything the kernel holds for us (never blocks)."""
+        """Feed the parser everything the kernel holds for us (never blocks).
+
+        An end of stream after some bytes is left for the next call: the replies that
+        did arrive are parsed first.
+        """
         sock, parser = self.sock, self.parser
         if sock is None:
             raise _Closed("connection is closed")
+        fed = False
         while True:
             try:
                 data = sock.recv(_RECV_SIZE)
@@ -243,8 +248,11 @@ class BlockingMemcachedConnection:
             except OSError as exc:  # ECONNRESET and friends
                 raise _Closed(str(exc)) from exc
             if not data:
+                if fed:
+                    return
                 raise _Closed("closed by the server")
             parser.feed(data)
+            fed = True
             if len(data) < _RECV_SIZE:
                 return
 
