@@ -38,7 +38,7 @@ import hashlib
 import itertools
 import math
 import time
-from collections.abc import Awaitable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -60,7 +60,15 @@ from ..protocol.memcache import (
     safe_memcached_key,
     unexpected_reply,
 )
-from .base import NOT_READ, BaseClient, ConsumerReads, ReadResult, WriteResult, chunked
+from .base import (
+    NOT_READ,
+    BaseClient,
+    BlockingGetConnection,
+    ConsumerReads,
+    ReadResult,
+    WriteResult,
+    chunked,
+)
 from .blocking_memcached import BlockingMemcachedConnection
 
 __all__ = ["MemcachedClient", "MemcachedConnection", "rendezvous_owner", "safe_memcached_key"]
@@ -280,12 +288,12 @@ class MemcachedClient(BaseClient[_MemcachedState]):
 
     def consumer_reads(self) -> ConsumerReads:
         """One blocking connection per server for read-ahead on the consumer's thread."""
-        connections = [
+        connections: list[BlockingGetConnection] = [
             BlockingMemcachedConnection(host, port, timeout=self.timeout,
                                         connect_timeout=self.connect_timeout,
                                         max_value=2 * self.item_size, max_batch=self.max_batch)
             for host, port in self.servers]
-        return ConsumerReads(list(connections), self._route)
+        return ConsumerReads(connections, self._route)
 
     def _route(self, keys: Sequence[bytes]) -> list[tuple[int, list[int]]]:
         """Positions of ``keys`` per owning server (the connections map keys themselves)."""
@@ -303,13 +311,13 @@ class MemcachedClient(BaseClient[_MemcachedState]):
         nodes = self._state().nodes
         asked: list[_Node] = []
         calls = []
-        for index, wanted in self._wanted_per_node(keys).items():
+        for index, (positions, safe) in self._per_node(keys).items():
             node = nodes[index]
             if node.name in skip:
-                result.skipped += sum(len(positions) for positions in wanted.values())
+                result.skipped += len(positions)
                 continue
             asked.append(node)
-            calls.append(self._read_node(node, wanted, values))
+            calls.append(self._read_node(node, positions, safe, values))
         for node, error in zip(asked, await _concurrently(calls)):
             if error is None:
                 result.answered.append(node.name)
@@ -317,26 +325,27 @@ class MemcachedClient(BaseClient[_MemcachedState]):
                 result.failures[node.name] = error
         return result
 
-    def _wanted_per_node(self, keys: Sequence[bytes]) -> dict[int, dict[bytes, list[int]]]:
-        """Per owning server: each distinct memcached key and the positions asking for it."""
-        groups: dict[int, dict[bytes, list[int]]] = {}
-        for position, key in enumerate(keys):
-            safe = safe_memcached_key(key)
-            owner = self._owner(safe)
-            wanted = groups.get(owner)
-            if wanted is None:
-                wanted = groups[owner] = {}
-            positions = wanted.get(safe)
-            if positions is None:
-                wanted[safe] = [position]
-            else:
-                positions.append(position)
+    def _per_node(self, keys: Sequence[bytes]
+                  ) -> Mapping[int, tuple[Sequence[int], list[bytes]]]:
+        """Per owning server: the positions of its keys, and those keys for memcached."""
+        safe = [safe_memcached_key(k) for k in keys]
+        if len(self._node_names) == 1:
+            return {0: (range(len(safe)), safe)}
+        groups: dict[int, tuple[list[int], list[bytes]]] = {}
+        for position, key in enumerate(safe):
+            group = groups.get(owner := self._owner(key))
+            if group is None:
+                group = groups[owner] = ([], [])
+            group[0].append(position)
+            group[1].append(key)
         return groups
 
-    async def _read_node(self, node: _Node, wanted: dict[bytes, list[int]],
+    async def _read_node(self, node: _Node, positions: Sequence[int], safe: list[bytes],
                          values: list[Any]) -> StoreError | None:
-        """Fill ``values`` with ``node``'s answers; its failure is returned, not raised."""
-        requests = [pack_get(chunk) for chunk in chunked(list(wanted), self.max_batch)]
+        """Fill ``values`` at ``positions`` with ``node``'s answers for the keys ``safe``
+        (each distinct key asked once); its failure is returned, not raised."""
+        unique = list(dict.fromkeys(safe))
+        requests = [pack_get(chunk) for chunk in chunked(unique, self.max_batch)]
         try:
             replies = await node.reads.execute(requests)
         except StoreError as exc:
@@ -344,9 +353,12 @@ class MemcachedClient(BaseClient[_MemcachedState]):
         for reply in replies:
             if isinstance(reply, ErrorReply):
                 return StoreError(f"memcached {node.name} answered get with {reply}")
-        for positions, value in zip(wanted.values(), itertools.chain.from_iterable(replies)):
-            for position in positions:
-                values[position] = value
+        found: Iterator[Any] = itertools.chain.from_iterable(replies)
+        if len(unique) != len(safe):  # repeated keys: every position gets its key's value
+            by_key = dict(zip(unique, found))
+            found = (by_key[key] for key in safe)
+        for position, value in zip(positions, found):
+            values[position] = value
         return None
 
     async def write(self, entries: Mapping[bytes, bytes], ttl: float | None = None,

@@ -57,7 +57,7 @@ STORED = b"STORED"
 NOT_FOUND = b"NOT_FOUND"
 DELETED = b"DELETED"
 
-_SAFE_KEY = re.compile(rb"[\x21-\x7e]{1,250}")
+_SAFE_KEY = re.compile(rb"(?!ac#)[\x21-\x7e]{1,250}")
 _STORAGE_WORDS = frozenset({STORED, b"NOT_STORED", b"EXISTS", NOT_FOUND})
 _DELETE_WORDS = frozenset({DELETED, NOT_FOUND})
 _ERROR_WORDS = (b"SERVER_ERROR", b"CLIENT_ERROR", b"ERROR")
@@ -71,7 +71,7 @@ def safe_memcached_key(key: bytes) -> bytes:
     blake2b(key).hexdigest()``. Keys that already start with ``ac#`` are hashed too, so
     a key can never collide with another key's digest form.
     """
-    if _SAFE_KEY.fullmatch(key) and not key.startswith(b"ac#"):
+    if _SAFE_KEY.fullmatch(key):
         return key
     return b"ac#" + hashlib.blake2b(key, digest_size=20).hexdigest().encode()
 
@@ -217,19 +217,16 @@ class ReplyParser:
         self._avail -= pos - self._pos
         self._pos = pos
 
-    def _line_end(self) -> int:
-        """Index of the next ``\\r\\n`` from the parse position, or -1 (then ``_need`` set)."""
-        eol = self._buf.find(b"\r\n", self._pos)
-        if eol < 0:
-            pending = len(self._buf) - self._pos
-            if pending > MAX_LINE:
-                raise ProtocolViolation(f"a reply line of over {MAX_LINE} bytes without CRLF")
-            self._need = pending + 1
-        return eol
+    def _incomplete_line(self, pending: int) -> None:
+        """``pending`` bytes and no ``\\r\\n`` yet: wait for one more byte, up to a bound."""
+        if pending > MAX_LINE:
+            raise ProtocolViolation(f"a reply line of over {MAX_LINE} bytes without CRLF")
+        self._need = pending + 1
 
     def _line_reply(self, accepts: frozenset[bytes]) -> bytes | ErrorReply | None:
-        eol = self._line_end()
+        eol = self._buf.find(b"\r\n", self._pos)
         if eol < 0:
+            self._incomplete_line(len(self._buf) - self._pos)
             return None
         line = self._buf[self._pos:eol]
         self._advance(eol + 2)
@@ -241,63 +238,63 @@ class ReplyParser:
         return error
 
     def _get_reply(self, keys: tuple[bytes, ...]) -> list[bytes | None] | ErrorReply | None:
+        """The hot loop (one pass per ``VALUE``), on locals; the position, the cursor and
+        the bytes consumed are written back once, however it ends."""
         values = self._values
         if values is None:
             values = self._values = [None] * len(keys)
             self._cursor, self._index = 0, None
-        buf = self._buf
-        while True:
-            pos = self._pos
-            eol = self._line_end()
-            if eol < 0:
-                return None
-            if buf.startswith(b"VALUE ", pos):
-                header = buf[pos + 6:eol].split(b" ")
-                size = self._value_size(header)
-                start = eol + 2
-                end = start + size
-                if end + 2 > len(buf):
+        buf, pos, cursor = self._buf, self._pos, self._cursor
+        n_keys, n_buf, max_value = len(keys), len(buf), self._max_value
+        try:
+            while True:
+                eol = buf.find(b"\r\n", pos)
+                if eol < 0:
+                    self._incomplete_line(n_buf - pos)
+                    return None
+                if not buf.startswith(b"VALUE ", pos):
+                    break
+                header = buf[pos + 6:eol].split(b" ")  # key flags bytes [cas]
+                if len(header) not in (3, 4) or not header[2].isdigit():
+                    raise ProtocolViolation(f"malformed VALUE line {buf[pos:eol][:80]!r}")
+                size = int(header[2])
+                if size > max_value:
+                    raise ProtocolViolation(f"a VALUE of {size} bytes announced, over the "
+                                            f"{max_value}-byte bound")
+                end = eol + 2 + size
+                if end + 2 > n_buf:
                     self._need = end + 2 - pos
                     return None
                 if buf[end:end + 2] != b"\r\n":
                     raise ProtocolViolation(f"value of {size} bytes not followed by CRLF")
-                self._place(keys, values, header[0], buf[start:end])
-                self._advance(end + 2)
-                continue
-            line = buf[pos:eol]
-            self._advance(eol + 2)
-            self._values = None
-            if line == b"END":
-                return values
-            error = _error_reply(line)
-            if error is None:
-                raise ProtocolViolation(f"unexpected line {line[:80]!r} in a get reply")
-            return error
+                key = header[0]
+                # memcached answers hits in request order: the next position first
+                i = cursor if cursor < n_keys and keys[cursor] == key else \
+                    self._position(keys, key)
+                values[i] = buf[eol + 2:end]
+                cursor = i + 1
+                pos = end + 2
+        finally:
+            self._avail -= pos - self._pos
+            self._pos, self._cursor = pos, cursor
+        line = buf[pos:eol]
+        self._advance(eol + 2)
+        self._values = None
+        if line == b"END":
+            return values
+        error = _error_reply(line)
+        if error is None:
+            raise ProtocolViolation(f"unexpected line {line[:80]!r} in a get reply")
+        return error
 
-    def _value_size(self, header: list[bytes]) -> int:
-        """The byte count of a ``VALUE key flags bytes [cas]`` line, checked and bounded."""
-        if len(header) not in (3, 4) or not header[2].isdigit():
-            raise ProtocolViolation(f"malformed VALUE line {b' '.join(header)[:80]!r}")
-        size = int(header[2])
-        if size > self._max_value:
-            raise ProtocolViolation(f"a VALUE of {size} bytes announced, over the "
-                                    f"{self._max_value}-byte bound")
-        return size
-
-    def _place(self, keys: tuple[bytes, ...], values: list[bytes | None], key: bytes,
-               value: bytes) -> None:
-        """Put ``value`` at its key's position. memcached answers hits in request order,
-        so the next position is tried first; a key that was not asked is a violation."""
-        i = self._cursor
-        if i >= len(keys) or keys[i] != key:
-            if self._index is None:
-                self._index = {k: n for n, k in enumerate(keys)}
-            found = self._index.get(key)
-            if found is None:
-                raise ProtocolViolation(f"a value for {key[:80]!r}, which was not asked for")
-            i = found
-        values[i] = value
-        self._cursor = i + 1
+    def _position(self, keys: tuple[bytes, ...], key: bytes) -> int:
+        """Where a value that came out of order goes; a key not asked is a violation."""
+        if self._index is None:
+            self._index = {k: n for n, k in enumerate(keys)}
+        found = self._index.get(key)
+        if found is None:
+            raise ProtocolViolation(f"a value for {key[:80]!r}, which was not asked for")
+        return found
 
 
 # -- what replies (and silences) mean, for both connections ------------------------------
