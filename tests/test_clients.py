@@ -153,3 +153,37 @@ async def test_connection_refused_is_store_unavailable() -> None:
                 await client.get_many([b"k"])
         finally:
             await client.close()
+
+
+@pytest.mark.parametrize("servers_fixture", ["memcached_server", "memcached_pool"])
+async def test_memcached_consumer_reads_answer_like_get_many(
+    request: pytest.FixtureRequest, servers_fixture: str, namespace: str
+) -> None:
+    """The consumer-side connections (read-ahead) route by owner, map unsafe keys and
+    fold duplicates exactly as the asyncio client does."""
+    found = request.getfixturevalue(servers_fixture)
+    pool = found if isinstance(found, list) else [found]
+    client = ac.connect("memcached://" + ",".join(f"{s.host}:{s.port}" for s in pool),
+                        max_batch=16)
+    keys = [f"{namespace}:{i}".encode() for i in range(100)]
+    await client.set_many({k: b"v" + k for k in keys[::2]})
+    keys += [keys[4], f"{namespace}: not a memcached key".encode(), keys[4], keys[5]]
+    await client.set_many({keys[-3]: b"unsafe"})
+    reads = client.consumer_reads()
+    try:
+        assert [c.node for c in reads.connections] == list(client.node_names)
+        assert client.node_names == tuple(f"{s.host}:{s.port}" for s in pool)
+        routes = reads.route(keys)
+        assert sorted(p for _, positions in routes for p in positions) == list(range(len(keys)))
+        got: list[bytes | None] = [b"unset"] * len(keys)
+        for index, positions in routes:
+            conn = reads.connections[index]
+            conn.send_get([keys[p] for p in positions])
+            for position, value in zip(positions, conn.receive()):
+                got[position] = value
+        assert got == await client.get_many(keys)
+        assert got[-3] == b"unsafe" and got[-4] == got[-2] == b"v" + keys[4] and got[-1] is None
+    finally:
+        for conn in reads.connections:
+            conn.close()
+        await client.close()

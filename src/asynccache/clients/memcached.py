@@ -1,53 +1,83 @@
-"""memcached, one server or a pool of them, with ``aiomcache``.
+"""memcached, one server or a pool of them, on a lean pipelined text-protocol connection.
 
-What aiomcache leaves to us, and how it is handled here:
+Why not a general memcached library: a cache needs ``get``/``set``/``delete``/``version``,
+and the rest of what matters is how failures look. aiomcache, the previous backend,
+had no timeouts, kept a cancelled connection (mid-reply) in its pool, rejected
+duplicate keys, and raised one exception for a whole batch. Here:
 
-* **Many servers** — keys are spread by rendezvous (highest-random-weight) hashing, so
-  adding or removing a server moves only the keys that belonged to it; each request is
-  grouped per server and the servers are queried concurrently.
-* **Keys** — memcached takes 1–250 bytes of printable ASCII without spaces. Other keys
-  (too long, whitespace, control characters, non-ASCII) are replaced, deterministically,
-  by ``b"ac#" + blake2b(key).hexdigest()``.
-* **Duplicates** — ``multi_get`` rejects duplicate keys: requests are de-duplicated first.
-* **Line length** — ``multi_get`` sends one unsplit line: requests are cut at
-  ``max_batch`` keys.
-* **Timeouts** — aiomcache has none; every call is bounded here. A cancelled call leaves
-  its connection mid-reply (aiomcache only discards connections on ``Exception``, not on
-  cancellation), so after a timeout the node's connection pool is replaced and the old
-  one closed: a late reply can never be read as the answer to the next request.
-* **Item size** — values above ``item_size`` (``-I``, 1 MiB by default) are refused by
-  the server; ``max_value_size`` tells the core to split them into chunks.
+* **One pipelined connection per (event loop, server)** for reads and one for writes, on
+  :mod:`asynccache.protocol.memcache` (sans-IO). Requests are written back to back; every
+  request owns a slot in a FIFO of futures, so a reply is only ever handed to its own
+  request (and checked against it: a ``VALUE`` for a key that was not asked for fails
+  the connection). One timer per exchange; after a timeout the connection is closed, so
+  a late reply is never read as the next answer. A request that finds an idle connection
+  closed by the server (``-o idle_timeout``) is sent once more on a fresh one.
+* **Many servers**: keys are spread by rendezvous (highest-random-weight) hashing, so
+  adding or removing a server moves only the keys that belonged to it. ``read`` and
+  ``write`` ask the servers concurrently and report a dead or slow server as a failure of
+  its own keys (per node), the others' values returned and written.
+* **Per-key replies on writes**: one pipelined ``set`` per key, so a value the server
+  refuses (over ``-I``; out of memory under ``-M``) fails alone, as ``StoreRejected``
+  naming the setting to change, and the other keys are stored.
+* **Keys**: memcached takes 1–250 bytes of printable ASCII; other keys are mapped,
+  deterministically, by :func:`safe_memcached_key`. Duplicates in one request are
+  asked once. Requests are cut at ``max_batch`` keys per ``get`` line.
+* **Item size**: values above ``item_size`` (``-I``, 1 MiB by default) are refused by the
+  server; ``max_value_size`` tells the core to split them into chunks. A reply announcing
+  more than ``2 × item_size`` is not one of ours and fails the connection rather than
+  allocating it.
+* **Consumer-side reads**: :meth:`MemcachedClient.consumer_reads` gives read-ahead one
+  blocking connection per server on the consumer thread's own sockets, like Redis.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
+import itertools
 import math
-import re
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
-import aiomcache
-import aiomcache.exceptions
+from ..errors import StoreError, StoreRejected, StoreTimeout, StoreUnavailable
+from ..protocol.memcache import (
+    STORED,
+    VERSION,
+    ErrorReply,
+    ProtocolViolation,
+    Reply,
+    ReplyParser,
+    Request,
+    explain_rejection,
+    no_answer,
+    not_understood,
+    pack_delete,
+    pack_get,
+    pack_set,
+    safe_memcached_key,
+    unexpected_reply,
+)
+from .base import (
+    NOT_READ,
+    BaseClient,
+    BlockingGetConnection,
+    ConsumerReads,
+    ReadResult,
+    WriteResult,
+    chunked,
+)
+from .blocking_memcached import BlockingMemcachedConnection
 
-from ..errors import StoreError, StoreTimeout, StoreUnavailable, ValueTooLarge
-from .base import BaseClient, chunked
+__all__ = ["MemcachedClient", "MemcachedConnection", "rendezvous_owner", "safe_memcached_key"]
 
-__all__ = ["MemcachedClient", "rendezvous_owner", "safe_memcached_key"]
+T = TypeVar("T")
 
-_SAFE_KEY = re.compile(rb"^[\x21-\x7e]{1,250}$")
 _THIRTY_DAYS = 30 * 24 * 3600
 #: Room for memcached's per-item header within the slab item size.
 _ITEM_OVERHEAD = 1024
-
-
-def safe_memcached_key(key: bytes) -> bytes:
-    """``key`` itself when memcached accepts it, else a fixed-length digest of it."""
-    if _SAFE_KEY.match(key) and not key.startswith(b"ac#"):
-        return key
-    return b"ac#" + hashlib.blake2b(key, digest_size=20).hexdigest().encode()
 
 
 def rendezvous_owner(key: bytes, nodes: Sequence[str]) -> int:
@@ -61,28 +91,146 @@ def rendezvous_owner(key: bytes, nodes: Sequence[str]) -> int:
     return best
 
 
+class _Protocol(asyncio.Protocol):
+    def __init__(self, where: str, max_value: int) -> None:
+        self.where = where
+        self.parser = ReplyParser(max_value)
+        self.waiters: collections.deque[asyncio.Future[Reply]] = collections.deque()
+        self.transport: asyncio.Transport | None = None
+        self.failure: StoreError | None = None
+        self.replies = 0  # replies received so far on this connection
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        parser, waiters = self.parser, self.waiters
+        parser.feed(data)
+        try:
+            while (reply := parser.next()) is not None:
+                if isinstance(reply, ErrorReply) and not reply.in_sync:
+                    self.fail(not_understood(self.where, reply))
+                    return
+                self.replies += 1
+                fut = waiters.popleft()
+                if not fut.done():
+                    fut.set_result(reply)
+        except ProtocolViolation as exc:
+            self.fail(unexpected_reply(self.where, exc))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        reason = f": {exc}" if exc else ""
+        self.fail(StoreUnavailable(f"memcached connection to {self.where} was closed{reason}"))
+
+    def fail(self, error: StoreError) -> None:
+        """Fail every pending request and refuse new ones; close the transport."""
+        if self.failure is None:
+            self.failure = error
+        while self.waiters:
+            fut = self.waiters.popleft()
+            if not fut.done():
+                fut.set_exception(error)
+        if self.transport is not None:
+            self.transport.close()
+
+
+class MemcachedConnection:
+    """One pipelined connection to one memcached server, opened lazily, in one loop."""
+
+    def __init__(self, host: str, port: int, *, timeout: float, connect_timeout: float,
+                 max_value: int) -> None:
+        self.host = host
+        self.port = port
+        self.where = f"{host}:{port}"
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.max_value = max_value
+        self._proto: _Protocol | None = None
+        self._connecting: asyncio.Future[_Protocol] | None = None
+
+    async def _connected(self) -> _Protocol:
+        proto = self._proto
+        if proto is not None and proto.failure is None:
+            return proto
+        if self._connecting is None:
+            self._connecting = asyncio.ensure_future(self._connect())
+        try:
+            return await asyncio.shield(self._connecting)
+        finally:
+            if self._connecting is not None and self._connecting.done():
+                self._connecting = None
+
+    async def _connect(self) -> _Protocol:
+        loop = asyncio.get_running_loop()
+        proto = _Protocol(self.where, self.max_value)
+        try:
+            await asyncio.wait_for(
+                loop.create_connection(lambda: proto, self.host, self.port),
+                self.connect_timeout)
+        except asyncio.TimeoutError as exc:
+            raise StoreTimeout(f"connecting to memcached {self.where} took over "
+                               f"{self.connect_timeout:g}s") from exc
+        except OSError as exc:
+            raise StoreUnavailable(f"cannot connect to memcached {self.where}: {exc}") from exc
+        self._proto = proto
+        return proto
+
+    async def _send(self, proto: _Protocol, requests: Sequence[Request]) -> list[Reply]:
+        """Write requests back to back and wait for their replies (one timer for all)."""
+        if proto.failure is not None:
+            raise proto.failure
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in requests]
+        proto.waiters.extend(futures)
+        for request in requests:
+            proto.parser.expect(request)
+        proto.transport.writelines(  # type: ignore[union-attr]
+            itertools.chain.from_iterable(r.buffers for r in requests))
+        timer = loop.call_later(self.timeout, self._expire, proto)
+        try:
+            return [await fut for fut in futures]
+        except BaseException:
+            for fut in futures:  # consume the siblings' errors: nobody else awaits them
+                if fut.done() and not fut.cancelled():
+                    fut.exception()
+                else:
+                    fut.cancel()
+            raise
+        finally:
+            timer.cancel()
+
+    def _expire(self, proto: _Protocol) -> None:
+        proto.fail(no_answer(self.where, self.timeout))
+
+    async def execute(self, requests: Sequence[Request]) -> list[Reply]:
+        """Send every request pipelined; their replies in order (``SERVER_ERROR`` replies
+        included, as :class:`ErrorReply` values). Commands must be idempotent: one that
+        found an idle connection closed by the server is sent once more."""
+        proto = await self._connected()
+        idle, replies_before = not proto.waiters, proto.replies
+        try:
+            return await self._send(proto, requests)
+        except StoreUnavailable:
+            if not (idle and proto.replies == replies_before):
+                raise
+            # the server had closed the idle connection: once more on a fresh one
+            return await self._send(await self._connected(), requests)
+
+    def close(self) -> None:
+        if self._proto is not None and self._proto.transport is not None:
+            self._proto.transport.close()
+        self._proto = None
+
+
 @dataclass
 class _Node:
-    host: str
-    port: int
-    pool_size: int
-    client: aiomcache.Client = field(init=False)
-    retired: list[aiomcache.Client] = field(default_factory=list)
+    name: str
+    reads: MemcachedConnection
+    writes: MemcachedConnection  # a large write never delays a read
 
-    def __post_init__(self) -> None:
-        self.client = aiomcache.Client(self.host, self.port, pool_size=self.pool_size)
-
-    async def replace_pool(self) -> None:
-        """Swap in fresh connections; close the old ones that may hold a late reply."""
-        old, self.client = self.client, aiomcache.Client(self.host, self.port,
-                                                         pool_size=self.pool_size)
-        await old.close()  # idle connections, including the one the cancelled call released
-        self.retired.append(old)  # connections still in use elsewhere close on close()
-
-    async def close(self) -> None:
-        for client in [*self.retired, self.client]:
-            await client.close()
-        self.retired.clear()
+    def close(self) -> None:
+        self.reads.close()
+        self.writes.close()
 
 
 @dataclass
@@ -100,115 +248,209 @@ class MemcachedClient(BaseClient[_MemcachedState]):
         *,
         servers: Sequence[tuple[str, int]] = (("127.0.0.1", 11211),),
         item_size: int = 1024 * 1024,
-        **options: object,
+        **options: Any,
     ) -> None:
         options.setdefault("max_batch", 128)
-        super().__init__(**options)  # type: ignore[arg-type]
+        super().__init__(**options)
         if not servers:
             raise ValueError("MemcachedClient needs at least one server")
         self.servers = [(str(h), int(p)) for h, p in servers]
         self.item_size = int(item_size)
         self.max_value_size = self.item_size - _ITEM_OVERHEAD
-        self._node_names = [f"{h}:{p}" for h, p in self.servers]
+        self._node_names = tuple(f"{h}:{p}" for h, p in self.servers)
 
     @property
     def safe_url(self) -> str:
         return "memcached://" + ",".join(self._node_names)
 
+    @property
+    def node_names(self) -> tuple[str, ...]:
+        return self._node_names
+
     def _open_state(self) -> _MemcachedState:
-        return _MemcachedState([_Node(h, p, self.max_connections) for h, p in self.servers])
+        return _MemcachedState([
+            _Node(name, self._connection(host, port), self._connection(host, port))
+            for name, (host, port) in zip(self._node_names, self.servers)])
+
+    def _connection(self, host: str, port: int) -> MemcachedConnection:
+        return MemcachedConnection(host, port, timeout=self.timeout,
+                                   connect_timeout=self.connect_timeout,
+                                   max_value=2 * self.item_size)
 
     async def _close_state(self, state: _MemcachedState) -> None:
         for node in state.nodes:
-            await node.close()
+            node.close()
 
-    def _owner(self, key: bytes) -> int:
-        if len(self.servers) == 1:
+    def _owner(self, safe_key: bytes) -> int:
+        if len(self._node_names) == 1:
             return 0
-        return rendezvous_owner(key, self._node_names)
+        return rendezvous_owner(safe_key, self._node_names)
 
-    async def _call(self, node: _Node, coro_fn, *args, what: str):  # type: ignore[no-untyped-def]
-        """Run one aiomcache call on ``node``, bounded, with errors translated."""
-        try:
-            return await asyncio.wait_for(coro_fn(node.client, *args), self.timeout)
-        except asyncio.TimeoutError as exc:
-            await node.replace_pool()
-            raise StoreTimeout(
-                f"memcached {node.host}:{node.port} did not answer {what} within "
-                f"{self.timeout:g}s; raise `timeout=` in connect() if it is just slow"
-            ) from exc
-        except asyncio.CancelledError:
-            await asyncio.shield(node.replace_pool())
-            raise
-        except aiomcache.exceptions.ClientException as exc:
-            if b"too large" in str(exc).encode() or "too large" in str(exc):
-                raise ValueTooLarge(
-                    f"memcached {node.host}:{node.port} refused a value as too large "
-                    f"({exc}); start memcached with a larger -I or lower the item size"
-                ) from exc
-            await node.replace_pool()
-            raise StoreError(f"memcached {node.host}:{node.port} {what} failed: {exc}") from exc
-        except (OSError, EOFError, asyncio.IncompleteReadError, RuntimeError) as exc:
-            # RuntimeError: uvloop's "handler is closed" when writing to a reset socket
-            await node.replace_pool()
-            raise StoreUnavailable(
-                f"memcached {node.host}:{node.port} connection failed during {what}: {exc!r}"
-            ) from exc
+    def consumer_reads(self) -> ConsumerReads:
+        """One blocking connection per server for read-ahead on the consumer's thread."""
+        connections: list[BlockingGetConnection] = [
+            BlockingMemcachedConnection(host, port, timeout=self.timeout,
+                                        connect_timeout=self.connect_timeout,
+                                        max_value=2 * self.item_size, max_batch=self.max_batch)
+            for host, port in self.servers]
+        return ConsumerReads(connections, self._route)
 
-    def _group(self, keys: Sequence[bytes]) -> dict[int, list[bytes]]:
-        groups: dict[int, list[bytes]] = {}
-        for key in keys:
-            groups.setdefault(self._owner(key), []).append(key)
+    def _route(self, keys: Sequence[bytes]) -> list[tuple[int, list[int]]]:
+        """Positions of ``keys`` per owning server (the connections map keys themselves)."""
+        groups: dict[int, list[int]] = {}
+        for position, key in enumerate(keys):
+            groups.setdefault(self._owner(safe_memcached_key(key)), []).append(position)
+        return list(groups.items())
+
+    # -- what the core calls: per-node results ---------------------------------------
+    async def read(self, keys: Sequence[bytes], skip: Collection[str] = ()) -> ReadResult:
+        values: list[Any] = [NOT_READ] * len(keys)
+        result = ReadResult(values)
+        if not keys:
+            return result
+        nodes = self._state().nodes
+        asked: list[_Node] = []
+        calls = []
+        for index, (positions, safe) in self._per_node(keys).items():
+            node = nodes[index]
+            if node.name in skip:
+                result.skipped += len(positions)
+                continue
+            asked.append(node)
+            calls.append(self._read_node(node, positions, safe, values))
+        for node, error in zip(asked, await _concurrently(calls)):
+            if error is None:
+                result.answered.append(node.name)
+            else:
+                result.failures[node.name] = error
+        return result
+
+    def _per_node(self, keys: Sequence[bytes]
+                  ) -> Mapping[int, tuple[Sequence[int], list[bytes]]]:
+        """Per owning server: the positions of its keys, and those keys for memcached."""
+        safe = [safe_memcached_key(k) for k in keys]
+        if len(self._node_names) == 1:
+            return {0: (range(len(safe)), safe)}
+        groups: dict[int, tuple[list[int], list[bytes]]] = {}
+        for position, key in enumerate(safe):
+            group = groups.get(owner := self._owner(key))
+            if group is None:
+                group = groups[owner] = ([], [])
+            group[0].append(position)
+            group[1].append(key)
         return groups
 
-    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        if not keys:
-            return []
-        nodes = self._state().nodes
-        safe = [safe_memcached_key(k) for k in keys]
+    async def _read_node(self, node: _Node, positions: Sequence[int], safe: list[bytes],
+                         values: list[Any]) -> StoreError | None:
+        """Fill ``values`` at ``positions`` with ``node``'s answers for the keys ``safe``
+        (each distinct key asked once); its failure is returned, not raised."""
         unique = list(dict.fromkeys(safe))
-        calls = []
-        batches: list[Sequence[bytes]] = []
-        for index, group in self._group(unique).items():
-            for batch in chunked(group, self.max_batch):
-                batches.append(batch)
-                calls.append(self._call(nodes[index], _multi_get, batch, what="get"))
-        results = await asyncio.gather(*calls)
-        found: dict[bytes, bytes | None] = {}
-        for batch, values in zip(batches, results):
-            found.update(zip(batch, values))
-        return [found.get(k) for k in safe]
+        requests = [pack_get(chunk) for chunk in chunked(unique, self.max_batch)]
+        try:
+            replies = await node.reads.execute(requests)
+        except StoreError as exc:
+            return exc
+        for reply in replies:
+            if isinstance(reply, ErrorReply):
+                return StoreError(f"memcached {node.name} answered get with {reply}")
+        found: Iterator[Any] = itertools.chain.from_iterable(replies)
+        if len(unique) != len(safe):  # repeated keys: every position gets its key's value
+            by_key = dict(zip(unique, found))
+            found = (by_key[key] for key in safe)
+        for position, value in zip(positions, found):
+            values[position] = value
+        return None
 
-    async def set_many(self, mapping: Mapping[bytes, bytes], ttl: float | None = None) -> None:
-        if not mapping:
-            return
+    async def write(self, entries: Mapping[bytes, bytes], ttl: float | None = None,
+                    skip: Collection[str] = ()) -> WriteResult:
+        result = WriteResult()
+        if not entries:
+            return result
         nodes = self._state().nodes
         exptime = _exptime(ttl)
-        calls = []
-        for key, value in mapping.items():
+        groups: dict[int, list[tuple[bytes, bytes, Request]]] = {}
+        for key, value in entries.items():
             safe = safe_memcached_key(key)
-            calls.append(self._call(nodes[self._owner(safe)], _set, safe, bytes(value), exptime,
-                                    what="set"))
-        await _gather_all(calls)
+            groups.setdefault(self._owner(safe), []).append(
+                (key, value, pack_set(safe, value, exptime)))
+        asked: list[tuple[_Node, list[tuple[bytes, bytes, Request]]]] = []
+        calls = []
+        for index, items in groups.items():
+            node = nodes[index]
+            if node.name in skip:
+                result.skipped += len(items)
+                continue
+            asked.append((node, items))
+            calls.append(_attempt(node.writes.execute([request for _, _, request in items])))
+        for (node, items), outcome in zip(asked, await _concurrently(calls)):
+            if isinstance(outcome, StoreError):
+                result.failures[node.name] = outcome
+                result.failed_keys += len(items)
+                continue
+            result.answered.append(node.name)
+            for (key, value, _), reply in zip(items, outcome):
+                if reply == STORED:
+                    result.written += 1
+                else:
+                    size = memoryview(value).nbytes
+                    result.rejected[key] = StoreRejected(explain_rejection(reply, node.name, size))
+        return result
+
+    # -- all or nothing -------------------------------------------------------------------
+    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        result = await self.read(keys)
+        for error in result.failures.values():
+            raise error
+        return result.values
+
+    async def set_many(self, mapping: Mapping[bytes, bytes], ttl: float | None = None) -> None:
+        result = await self.write(mapping, ttl)
+        for error in (*result.failures.values(), *result.rejected.values()):
+            raise error
 
     async def delete_many(self, keys: Sequence[bytes]) -> None:
+        if not keys:
+            return
         nodes = self._state().nodes
-        unique = list(dict.fromkeys(safe_memcached_key(k) for k in keys))
-        await _gather_all(
-            [self._call(nodes[self._owner(k)], _delete, k, what="delete") for k in unique]
-        )
+        groups: dict[int, list[Request]] = {}
+        for safe in dict.fromkeys(safe_memcached_key(k) for k in keys):
+            groups.setdefault(self._owner(safe), []).append(pack_delete(safe))
+        await _on_every_node([(nodes[i], requests) for i, requests in groups.items()],
+                             "delete")
 
     async def ping(self) -> None:
-        nodes = self._state().nodes
-        await _gather_all([self._call(node, _version, what="version") for node in nodes])
+        await _on_every_node([(node, [VERSION]) for node in self._state().nodes], "version")
 
 
-async def _gather_all(calls: list) -> None:  # type: ignore[type-arg]
-    """Await every call even when one fails, then raise the first failure."""
-    results = await asyncio.gather(*calls, return_exceptions=True)
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
+async def _on_every_node(work: list[tuple[_Node, list[Request]]], what: str) -> None:
+    """Run each node's requests concurrently; raise the first failure once all ended.
+
+    A reply that is not an error is one the request accepts (``DELETED``/``NOT_FOUND``,
+    ``VERSION …``): the parser checked it.
+    """
+    outcomes = await _concurrently(
+        [_attempt(node.reads.execute(requests)) for node, requests in work])
+    for (node, _), outcome in zip(work, outcomes):
+        if isinstance(outcome, StoreError):
+            raise outcome
+        for reply in outcome:
+            if isinstance(reply, ErrorReply):
+                raise StoreError(f"memcached {node.name} answered {what} with {reply}")
+
+
+async def _attempt(call: Awaitable[T]) -> T | StoreError:
+    """The call's result, or its store failure as a value."""
+    try:
+        return await call
+    except StoreError as exc:
+        return exc
+
+
+async def _concurrently(calls: list[Awaitable[T]]) -> list[T]:
+    """Await every call, concurrently when there are several (no task for just one)."""
+    if len(calls) == 1:
+        return [await calls[0]]
+    return list(await asyncio.gather(*calls))
 
 
 def _exptime(ttl: float | None) -> int:
@@ -217,19 +459,3 @@ def _exptime(ttl: float | None) -> int:
         return 0
     seconds = max(1, math.ceil(ttl))
     return seconds if seconds <= _THIRTY_DAYS else int(time.time()) + seconds
-
-
-async def _multi_get(client: aiomcache.Client, keys: Sequence[bytes]) -> tuple[bytes | None, ...]:
-    return await client.multi_get(*keys)
-
-
-async def _set(client: aiomcache.Client, key: bytes, value: bytes, exptime: int) -> None:
-    await client.set(key, value, exptime=exptime)
-
-
-async def _delete(client: aiomcache.Client, key: bytes) -> None:
-    await client.delete(key)
-
-
-async def _version(client: aiomcache.Client) -> None:
-    await client.version()

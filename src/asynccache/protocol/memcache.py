@@ -1,0 +1,328 @@
+"""memcached's text protocol without I/O: requests to send, a parser for what comes back.
+
+Why our own: the text protocol a cache needs is four commands (``get``, ``set``,
+``delete``, ``version``), and the parts that matter are the ones a generic client gets
+wrong for us: replies split at any byte, pipelining many requests on one connection,
+values kept in the order the keys were asked, and a bound on what a reply may make us
+allocate.
+
+The parser is told, in send order, what each request's reply must look like (a
+:class:`Request` carries both its bytes and that expectation), so every reply is
+checked against its own request: a ``VALUE`` for a key that was not asked for, a
+``STORED`` where a ``DELETED`` belongs, or bytes nobody asked for are a
+:class:`ProtocolViolation` (the connection is then not trusted), never a value handed
+to the wrong caller.
+
+Bounds: a ``VALUE`` line announcing more than ``max_value`` bytes, or a line longer than
+:data:`MAX_LINE` without its ``\\r\\n``, is a violation rather than an allocation. While a
+large value arrives, incoming chunks are collected and joined once, not re-copied on
+every read.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import StoreError, StoreTimeout
+
+__all__ = [
+    "DELETED",
+    "MAX_LINE",
+    "NOT_FOUND",
+    "STORED",
+    "VERSION",
+    "ErrorReply",
+    "ProtocolViolation",
+    "Reply",
+    "ReplyParser",
+    "Request",
+    "explain_rejection",
+    "no_answer",
+    "not_understood",
+    "pack_delete",
+    "pack_get",
+    "pack_set",
+    "safe_memcached_key",
+    "unexpected_reply",
+]
+
+#: Longest reply line accepted (a ``VALUE`` line is at most ~300 bytes with a 250-byte key).
+MAX_LINE = 8192
+
+STORED = b"STORED"
+NOT_FOUND = b"NOT_FOUND"
+DELETED = b"DELETED"
+
+_SAFE_KEY = re.compile(rb"(?!ac#)[\x21-\x7e]{1,250}")
+_STORAGE_WORDS = frozenset({STORED, b"NOT_STORED", b"EXISTS", NOT_FOUND})
+_DELETE_WORDS = frozenset({DELETED, NOT_FOUND})
+_ERROR_WORDS = (b"SERVER_ERROR", b"CLIENT_ERROR", b"ERROR")
+
+
+def safe_memcached_key(key: bytes) -> bytes:
+    """``key`` itself when memcached accepts it, else a fixed-length digest of it.
+
+    memcached takes 1–250 bytes of printable ASCII without spaces; any other key (too
+    long, whitespace, control characters, non-ASCII) becomes ``b"ac#" +
+    blake2b(key).hexdigest()``. Keys that already start with ``ac#`` are hashed too, so
+    a key can never collide with another key's digest form.
+    """
+    if _SAFE_KEY.fullmatch(key):
+        return key
+    return b"ac#" + hashlib.blake2b(key, digest_size=20).hexdigest().encode()
+
+
+class ProtocolViolation(ValueError):
+    """The server sent something no pending request can be answered with."""
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply:
+    """``SERVER_ERROR …``, ``CLIENT_ERROR …`` or ``ERROR``: the server's refusal, as a value.
+
+    After a ``SERVER_ERROR`` the stream is in sync (memcached discards the refused
+    value's bytes); after ``CLIENT_ERROR``/``ERROR`` it may not be (the server may have
+    read a value's bytes as a command), so a connection should not be reused.
+    """
+
+    kind: bytes
+    message: str
+
+    @property
+    def in_sync(self) -> bool:
+        return self.kind == b"SERVER_ERROR"
+
+    def __str__(self) -> str:
+        return f"{self.kind.decode()} {self.message}".rstrip()
+
+
+#: A parsed reply: a get's values (aligned with its keys, ``None`` where absent), a
+#: one-line status (``b"STORED"``, ``b"VERSION 1.6.21"``, ...), or an error.
+Reply = list[bytes | None] | bytes | ErrorReply
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One command: the buffers to send (written back to back, values not copied) and
+    what its reply must be: a get's keys, or the first words a one-line reply may have."""
+
+    buffers: tuple[bytes | memoryview, ...]
+    keys: tuple[bytes, ...] | None = None
+    accepts: frozenset[bytes] = frozenset()
+
+
+def pack_get(keys: Sequence[bytes]) -> Request:
+    """``get k1 k2 …``; ``keys`` must be valid (see :func:`safe_memcached_key`) and unique."""
+    if not keys:
+        raise ValueError("a get needs at least one key")
+    return Request((b"get " + b" ".join(keys) + b"\r\n",), tuple(keys))
+
+
+def pack_set(key: bytes, value: bytes | memoryview, exptime: int, flags: int = 0) -> Request:
+    """``set key flags exptime bytes`` then the value, as three buffers."""
+    size = memoryview(value).nbytes
+    head = b"set %s %d %d %d\r\n" % (key, flags, exptime, size)
+    return Request((head, value, b"\r\n"), accepts=_STORAGE_WORDS)
+
+
+def pack_delete(key: bytes) -> Request:
+    return Request((b"delete %s\r\n" % key,), accepts=_DELETE_WORDS)
+
+
+VERSION = Request((b"version\r\n",), accepts=frozenset({b"VERSION"}))
+
+
+def _error_reply(line: bytes) -> ErrorReply | None:
+    word, _, rest = line.partition(b" ")
+    if word in _ERROR_WORDS:
+        return ErrorReply(word, rest.decode("utf-8", "replace"))
+    return None
+
+
+class ReplyParser:
+    """Incremental parser of a pipelined stream of replies, checked against requests.
+
+    Call :meth:`expect` with each request as it is sent, :meth:`feed` with whatever
+    bytes arrived, then :meth:`next` until it returns ``None`` (the next reply is not
+    complete yet). Raises :class:`ProtocolViolation` for anything that cannot be the
+    reply to the oldest request still waiting.
+    """
+
+    __slots__ = ("_avail", "_buf", "_chunks", "_cursor", "_expected", "_index", "_max_value",
+                 "_need", "_pos", "_values")
+
+    def __init__(self, max_value: int) -> None:
+        self._max_value = max_value
+        self._expected: collections.deque[Request] = collections.deque()
+        self._buf = b""      # bytes being parsed, from _pos on
+        self._pos = 0
+        self._chunks: list[bytes] = []  # fed since the last join
+        self._avail = 0      # unparsed bytes: len(_buf) - _pos + those in _chunks
+        self._need = 1       # no parse is attempted before _avail reaches this
+        # the get reply in progress (the oldest request's): values so far, next position
+        self._values: list[bytes | None] | None = None
+        self._cursor = 0
+        self._index: dict[bytes, int] | None = None
+
+    @property
+    def waiting(self) -> int:
+        """Requests whose replies have not been parsed yet."""
+        return len(self._expected)
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not yet parsed into a reply."""
+        return self._avail
+
+    def expect(self, request: Request) -> None:
+        self._expected.append(request)
+
+    def feed(self, data: bytes) -> None:
+        if data:
+            self._chunks.append(bytes(data))
+            self._avail += len(data)
+
+    def next(self) -> Reply | None:
+        """The oldest request's reply if it has fully arrived, else ``None``."""
+        if not self._expected:
+            if self._avail:
+                raise ProtocolViolation(f"{self._avail} bytes arrived that no request asked for")
+            return None
+        if self._avail < self._need:
+            return None
+        self._join()
+        request = self._expected[0]
+        reply = self._get_reply(request.keys) if request.keys is not None \
+            else self._line_reply(request.accepts)
+        if reply is not None:
+            self._expected.popleft()
+            self._need = 1
+            if self._pos == len(self._buf):  # do not keep a large reply's buffer alive
+                self._buf, self._pos = b"", 0
+        return reply
+
+    # -- internals ----------------------------------------------------------------------
+    def _join(self) -> None:
+        if self._chunks:
+            rest = self._buf[self._pos:] if self._pos < len(self._buf) else b""
+            self._buf = b"".join([rest, *self._chunks]) if rest else b"".join(self._chunks)
+            self._pos = 0
+            self._chunks = []
+
+    def _advance(self, pos: int) -> None:
+        self._avail -= pos - self._pos
+        self._pos = pos
+
+    def _incomplete_line(self, pending: int) -> None:
+        """``pending`` bytes and no ``\\r\\n`` yet: wait for one more byte, up to a bound."""
+        if pending > MAX_LINE:
+            raise ProtocolViolation(f"a reply line of over {MAX_LINE} bytes without CRLF")
+        self._need = pending + 1
+
+    def _line_reply(self, accepts: frozenset[bytes]) -> bytes | ErrorReply | None:
+        eol = self._buf.find(b"\r\n", self._pos)
+        if eol < 0:
+            self._incomplete_line(len(self._buf) - self._pos)
+            return None
+        line = self._buf[self._pos:eol]
+        self._advance(eol + 2)
+        if line.partition(b" ")[0] in accepts:
+            return line
+        error = _error_reply(line)
+        if error is None:
+            raise ProtocolViolation(f"unexpected reply {line[:80]!r}")
+        return error
+
+    def _get_reply(self, keys: tuple[bytes, ...]) -> list[bytes | None] | ErrorReply | None:
+        """The hot loop (one pass per ``VALUE``), on locals; the position, the cursor and
+        the bytes consumed are written back once, however it ends."""
+        values = self._values
+        if values is None:
+            values = self._values = [None] * len(keys)
+            self._cursor, self._index = 0, None
+        buf, pos, cursor = self._buf, self._pos, self._cursor
+        n_keys, n_buf, max_value = len(keys), len(buf), self._max_value
+        try:
+            while True:
+                eol = buf.find(b"\r\n", pos)
+                if eol < 0:
+                    self._incomplete_line(n_buf - pos)
+                    return None
+                if not buf.startswith(b"VALUE ", pos):
+                    break
+                header = buf[pos + 6:eol].split(b" ")  # key flags bytes [cas]
+                if len(header) not in (3, 4) or not header[2].isdigit():
+                    raise ProtocolViolation(f"malformed VALUE line {buf[pos:eol][:80]!r}")
+                size = int(header[2])
+                if size > max_value:
+                    raise ProtocolViolation(f"a VALUE of {size} bytes announced, over the "
+                                            f"{max_value}-byte bound")
+                end = eol + 2 + size
+                if end + 2 > n_buf:
+                    self._need = end + 2 - pos
+                    return None
+                if buf[end:end + 2] != b"\r\n":
+                    raise ProtocolViolation(f"value of {size} bytes not followed by CRLF")
+                key = header[0]
+                # memcached answers hits in request order: the next position first
+                i = cursor if cursor < n_keys and keys[cursor] == key else \
+                    self._position(keys, key)
+                values[i] = buf[eol + 2:end]
+                cursor = i + 1
+                pos = end + 2
+        finally:
+            self._avail -= pos - self._pos
+            self._pos, self._cursor = pos, cursor
+        line = buf[pos:eol]
+        self._advance(eol + 2)
+        self._values = None
+        if line == b"END":
+            return values
+        error = _error_reply(line)
+        if error is None:
+            raise ProtocolViolation(f"unexpected line {line[:80]!r} in a get reply")
+        return error
+
+    def _position(self, keys: tuple[bytes, ...], key: bytes) -> int:
+        """Where a value that came out of order goes; a key not asked is a violation."""
+        if self._index is None:
+            self._index = {k: n for n, k in enumerate(keys)}
+        found = self._index.get(key)
+        if found is None:
+            raise ProtocolViolation(f"a value for {key[:80]!r}, which was not asked for")
+        return found
+
+
+# -- what replies (and silences) mean, for both connections ------------------------------
+def no_answer(where: str, timeout: float) -> StoreTimeout:
+    return StoreTimeout(f"memcached {where} did not answer within {timeout:g}s; "
+                        "raise `timeout=` in connect() if the store is just slow")
+
+
+def unexpected_reply(where: str, exc: ProtocolViolation) -> StoreError:
+    return StoreError(f"memcached {where} sent an unexpected reply ({exc}); the connection "
+                      "was closed. A value over twice item_size is not one asynccache wrote: "
+                      "pass the server's -I as item_size= to connect() if it is larger")
+
+
+def not_understood(where: str, reply: ErrorReply) -> StoreError:
+    return StoreError(f"memcached {where} did not understand a request ({reply}); the "
+                      "connection was closed (its stream can no longer be trusted)")
+
+
+def explain_rejection(reply: Reply, where: str, size: int) -> str:
+    """What a refused ``set`` means, and which server setting to change."""
+    text = str(reply) if isinstance(reply, ErrorReply) else repr(reply)
+    if "too large" in text:
+        return (f"memcached {where} refused a {size}-byte value ({text}): it is over the "
+                "server's item size; start memcached with a larger -I, or pass item_size= "
+                "to connect() so asynccache chunks values below the server's limit")
+    if "out of memory" in text:
+        return (f"memcached {where} is full and refuses writes ({text}): it runs with -M "
+                "(no eviction) and its memory is used up; drop -M (a cache should evict) "
+                "or raise -m")
+    return f"memcached {where} refused a {size}-byte value: {text}"
