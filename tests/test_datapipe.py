@@ -64,7 +64,7 @@ def same(a: object, b: object) -> bool:
 @pytest.fixture(params=["redis_server", "redis_unix_server", "valkey_server",
                         "memcached_server", "redis_cluster"])
 def pipe_url(request: pytest.FixtureRequest) -> str:
-    """Plain Redis-protocol stores are read by the consumer-side socket; memcached and
+    """Redis-protocol stores and memcached are read ahead on the consumer's own socket;
     the cluster through the loop thread."""
     return request.getfixturevalue(request.param).url
 

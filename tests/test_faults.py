@@ -77,10 +77,11 @@ async def test_late_reply_is_never_read_as_the_next_answer(
 ) -> None:
     """A timed-out request's reply arrives later; the next request must not consume it.
 
-    aiomcache keeps a cancelled connection in its pool; we replace the pool on timeout.
+    Every request owns its slot in the connection's reply queue, and a connection that
+    timed out is closed: a late reply can never answer another request.
     """
     proxy, url = proxied
-    client = ac.connect(url, timeout=0.15, max_connections=1)
+    client = ac.connect(url, timeout=0.15)
     cache = ac.AsyncKVCache(client, namespace=namespace, on_error="raise")
     await cache.set_many({"a": "value of a", "b": "value of b"})
     proxy.set_latency(0.4)

@@ -10,8 +10,8 @@ Accepted forms::
     memory://[name]
 
 Options (query string or keyword, keywords win): ``timeout`` and ``connect_timeout``
-(seconds), ``max_batch`` (keys per multi-get), ``max_connections`` (per loop and
-server), and for memcached ``item_size`` (bytes, the server's ``-I``).
+(seconds), ``max_batch`` (keys per multi-get) and ``item_size`` (bytes: memcached's
+``-I``, Redis' ``proto-max-bulk-len``; larger values are chunked).
 No network I/O happens here: connections open lazily on first use.
 """
 
@@ -30,7 +30,7 @@ ACCEPTED = (
     "redis+cluster://host:port,host:port, memcached://host:port[,host:port], memory://"
 )
 _FLOAT_OPTIONS = {"timeout", "connect_timeout"}
-_INT_OPTIONS = {"max_batch", "max_connections", "item_size", "db"}
+_INT_OPTIONS = {"max_batch", "item_size", "db"}
 
 
 def _mask(url: str) -> str:
@@ -95,7 +95,7 @@ def connect(url: str, **options: Any) -> BaseClient[Any]:
     except TypeError as exc:  # an unknown keyword option
         raise ConfigError(
             f"connect({_mask(url)!r}): {exc}; options are timeout, connect_timeout, "
-            "max_batch, max_connections and, for memcached, item_size"
+            "max_batch and item_size"
         ) from None
 
 

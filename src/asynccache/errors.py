@@ -1,7 +1,7 @@
 """The exceptions asynccache raises.
 
 Every exception that crosses the public API derives from :class:`CacheError`, so
-``except ac.CacheError`` is enough. Foreign exceptions (redis-py's, aiomcache's,
+``except ac.CacheError`` is enough. Foreign exceptions (redis-py's, hiredis',
 pickle's, OS errors) are translated at the boundary with ``raise ... from exc``:
 redis-py's ``ConnectionError``/``TimeoutError`` shadow the builtins and never escape.
 

@@ -12,9 +12,9 @@ off), so the prefetcher only decides what the consumer sees.
   (:class:`~asynccache.clients.base.BlockingGetConnection`, one per node): requests are
   sent when the window has room, replies parsed when the consumer looks. No thread hop,
   no GIL hand-off: a hit stays a ``dict.pop``. Used when the client offers it
-  (``client.consumer_reads()``: plain Redis/Valkey today).
+  (``client.consumer_reads()``: Redis/Valkey and memcached, one server or a pool).
 * :class:`LoopSource` — reads through the asyncio core on the process's loop thread
-  (any client: memcached, Redis Cluster, TLS, third-party providers). A batch costs one
+  (any client: Redis Cluster, TLS, third-party providers). A batch costs one
   ``call_soon_threadsafe`` there and one append back; the consumer is woken only if it
   waits.
 

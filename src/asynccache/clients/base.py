@@ -50,7 +50,6 @@ __all__ = [
 DEFAULT_TIMEOUT = 1.0
 DEFAULT_CONNECT_TIMEOUT = 1.0
 DEFAULT_MAX_BATCH = 256
-DEFAULT_MAX_CONNECTIONS = 8
 
 StateT = TypeVar("StateT")
 T = TypeVar("T")
@@ -152,12 +151,10 @@ class BaseClient(ABC, Generic[StateT]):
         timeout: float = DEFAULT_TIMEOUT,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         max_batch: int = DEFAULT_MAX_BATCH,
-        max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
         self.timeout = float(timeout)
         self.connect_timeout = float(connect_timeout)
         self.max_batch = int(max_batch)
-        self.max_connections = int(max_connections)
         self._init_runtime()
 
     # -- runtime state ------------------------------------------------------------------
