@@ -225,3 +225,11 @@ def test_threads_starting_together_share_one_runtime(redis_server: Any, namespac
     dp.close()
     assert len(runtimes) == 1
     assert stats["hits"] + stats["misses"] == 8
+
+
+def test_key_for_never_truncates(redis_server: Any, namespace: str) -> None:
+    dp = ac.AsyncKVCacheMapDataPipe(Source(8), ac.connect(redis_server.url), namespace=namespace)
+    assert dp.key_for(np.int64(3)) == dp.key_for(3) == f"ac:{namespace}:3".encode()
+    for bad in (1.5, torch.tensor(1.5), None):
+        with pytest.raises(ac.KeyEncodingError):
+            dp.key_for(bad)

@@ -197,15 +197,15 @@ class AsyncKVCache:
         """Decode one multi-get reply: a value per key (``MISSING`` for absent or unusable
         bytes, ``NOT_READ`` passed through, :class:`Failed` in raise mode) and the chunk
         manifests still to resolve. No I/O: any thread may call it."""
-        out: list[Any] = list(blobs)
+        out: list[Any] = [MISSING] * len(blobs)
         manifests: dict[int, ChunkManifest] = {}
         decode = self.codec.decode
         nbytes = 0
         for i, blob in enumerate(blobs):
             if blob is None:
-                out[i] = MISSING
                 continue
             if blob is NOT_READ:
+                out[i] = NOT_READ
                 continue
             nbytes += len(blob)
             try:
@@ -214,8 +214,7 @@ class AsyncKVCache:
                 out[i] = self._decode_failed(store_keys[i], exc)
                 continue
             if type(value) is ChunkManifest:
-                manifests[i] = value
-                out[i] = MISSING  # until its chunks are read
+                manifests[i] = value  # MISSING until its chunks are read
             else:
                 out[i] = value
         self.counters.shard()["bytes_read"] += nbytes

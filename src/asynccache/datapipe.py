@@ -122,9 +122,10 @@ class _Runtime:
         self.loop: LoopThread = get_loop_thread()
         self.cache = AsyncKVCache(pipe.client, pipe.namespace, pipe.ttl, pipe.codec,
                                   pipe.on_error)
+        #: ``0 <= i < fast_length`` means "an int index needing no normalization"
+        self.fast_length = self.length if pipe._mapping is None else -1
         self.local = threading.local()
         self.lock = threading.Lock()
-        self.order_version = 0
         #: every thread's prefetcher (for stats and close); ended threads' are folded
         self.prefetchers: list[tuple[weakref.ref[threading.Thread], Prefetcher]] = []
         self.retired = Prefetcher.zero_counts()
@@ -138,16 +139,17 @@ class _Runtime:
 
     # -- per-thread read state -----------------------------------------------------------
     def prefetcher(self) -> Prefetcher:
-        """This thread's prefetcher, made on its first read (and re-planned after
-        ``set_order``)."""
+        """This thread's prefetcher, made on its first read."""
         try:
-            p: Prefetcher = self.local.prefetcher
+            return self.local.prefetcher  # type: ignore[no-any-return]
         except AttributeError:
-            p = self._new_prefetcher()
-        if p.order_version != self.order_version:
-            p.order_version = self.order_version
-            self.pipe._follow_order(p)
-        return p
+            return self._new_prefetcher()
+
+    def order_changed(self) -> None:
+        """Every thread's prefetcher re-plans from the pipe's order at its next read."""
+        with self.lock:
+            for _ref, p in self.prefetchers:
+                p.stale_order = True
 
     def _new_prefetcher(self) -> Prefetcher:
         # Never for the loop thread itself: a blocking read there would stall (or, through
@@ -162,7 +164,8 @@ class _Runtime:
             source = LoopSource(cache, self.loop, wait_timeout=pipe.client.timeout * 2 + 0.5)
         length = None if pipe._mapping is not None else self.length
         p = Prefetcher(source, pipe.key_for, length, pipe.prefetch, cache.policy.strict)
-        p.order_version = -1  # follow the pipe's order on first use
+        p.follow_order = pipe._follow_order
+        p.stale_order = True  # its first read follows the pipe's order
         self.local.prefetcher = p
         with self.lock:
             self._fold_ended()
@@ -295,7 +298,7 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
     def key_for(self, index: Any) -> bytes:
         """The store key of ``index``: ``b"ac:" + namespace + b":" + str(index)`` for an
         int; other keys by the encoding of :mod:`asynccache.keys`."""
-        if type(index) is int:
+        if type(index) is int:  # the hot case (not "%d" for all: it would truncate floats)
             return b"%b%d" % (self._prefix, index)
         key = self._prefix + encode_key(index)
         if len(key) > self._max_key_size:
@@ -364,8 +367,11 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         rt = self._rt
         if rt is None or rt.fork_generation != _fork.generation:
             rt = self._runtime()
-        p = rt.prefetcher()
-        if type(index) is not int or not 0 <= index < rt.length or self._mapping is not None:
+        try:
+            p = rt.local.prefetcher
+        except AttributeError:
+            p = rt.prefetcher()
+        if type(index) is not int or not 0 <= index < rt.fast_length:
             index = self._normalize(index)
         value = p.take(index)
         if value is MISSING:
@@ -416,8 +422,7 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         """Tell the prefetchers the indices that will be read next (every thread's, at its
         next read); re-iterated when used up."""
         self.order = self._check_order(order)
-        rt = self._runtime()
-        rt.order_version += 1
+        self._runtime().order_changed()
 
     # -- lifecycle -------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:

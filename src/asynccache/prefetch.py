@@ -52,10 +52,9 @@ class _Nothing:
 
 _NOTHING: Any = _Nothing()  # not in the ready buffer
 
-#: stats() name -> attribute holding it
-COUNTERS = {"hits": "hits", "misses": "misses", "prefetch_hits": "prefetch_hits",
-            "stalls": "stalls", "stall_us": "stall_us", "direct_reads": "direct_reads",
-            "prefetch_wasted": "wasted", "stall_timeouts": "stall_timeouts"}
+#: the counters a prefetcher reports in stats()
+COUNTERS = ("hits", "misses", "prefetch_hits", "stalls", "stall_us", "direct_reads",
+            "prefetch_wasted", "stall_timeouts")
 
 #: Smallest and largest read-ahead request, in keys. Each request costs ~60–90 µs of
 #: client CPU whatever its size, so batches are as large as the window allows.
@@ -98,9 +97,15 @@ class Prefetcher:
         self.replan: Callable[[], list[Any]] | None = None  # the next epoch of an order
         self.generation = 0
         self.last_index: Any = None
-        self.order_version = 0  # which version of the pipe's order this plan follows
+        #: set (by any thread) when the pipe's order changed: re-planned at the next read
+        #: that is not a plain in-order hit, by ``follow_order(self)``
+        self.stale_order = False
+        self.follow_order: Callable[[Prefetcher], None] | None = None
         self.hits = self.misses = self.prefetch_hits = 0
         self.stalls = self.stall_us = self.direct_reads = self.wasted = self.stall_timeouts = 0
+        #: in-order reads served from the buffer: the one counter the fast path touches
+        #: (``fast_specials`` of them were misses or failures, counted on the slow path)
+        self.fast_reads = self.fast_specials = 0
 
     @staticmethod
     def zero_counts() -> dict[str, int]:
@@ -108,7 +113,11 @@ class Prefetcher:
 
     @property
     def counts(self) -> dict[str, int]:
-        return {name: getattr(self, attr) for name, attr in COUNTERS.items()}
+        fast = self.fast_reads
+        return {"hits": self.hits + fast - self.fast_specials, "misses": self.misses,
+                "prefetch_hits": self.prefetch_hits + fast, "stalls": self.stalls,
+                "stall_us": self.stall_us, "direct_reads": self.direct_reads,
+                "prefetch_wasted": self.wasted, "stall_timeouts": self.stall_timeouts}
 
     # -- plan -----------------------------------------------------------------------------
     def set_plan(self, plan: Sequence[Any],
@@ -275,6 +284,16 @@ class Prefetcher:
             self.hits += 1
         return value
 
+    def _special(self, value: Any) -> Any:
+        """A buffered value that is not a plain hit (the fast path counted it as one)."""
+        self.fast_specials += 1
+        return self._result(value)
+
+    def _refresh_order(self) -> None:
+        if self.stale_order and self.follow_order is not None:
+            self.stale_order = False
+            self.follow_order(self)
+
     # -- consumer API -----------------------------------------------------------------------
     def take(self, index: Any) -> Any:
         """The value for ``index`` (MISSING on a store miss); read now if not planned."""
@@ -284,15 +303,19 @@ class Prefetcher:
             if pos < self.plan_len and self.plan[pos] == index:  # the common case, inlined
                 self.pos = pos + 1
                 self.last_index = index
-                self.prefetch_hits += 1
+                self.fast_reads += 1
                 if self.requested - pos - 1 <= self.window - self.batch:
                     self._top_up()
-                return self._result(value)
+                if value is MISSING or type(value) is Failed:
+                    return self._special(value)
+                return value
+            self._refresh_order()
             self._after(index, self._advance(index))
             if value is MISSING:  # out of plan order: it may be older than a write since
                 return self._result(self._read_direct([index])[0])
             self.prefetch_hits += 1
             return self._result(value)
+        self._refresh_order()
         in_order = self.pos < self.plan_len and self.plan[self.pos] == index
         on_plan = self._advance(index)
         value = self._await(index)
@@ -303,6 +326,7 @@ class Prefetcher:
 
     def take_many(self, indices: Sequence[Any]) -> list[Any]:
         """Values for a whole batch: ready ones, awaited ones, then one request for the rest."""
+        self._refresh_order()
         self._deliver(self.source.poll())  # whatever arrived since the last read
         pop = self.ready.pop
         out = [pop(i, _NOTHING) for i in indices]

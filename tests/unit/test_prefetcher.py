@@ -108,8 +108,10 @@ def test_planned_reads_are_prefetch_hits_in_batches() -> None:
         got.append(p.take(i))
         source.complete_all()
     assert got == [f"v{i}" for i in range(100)]
-    assert p.prefetch_hits == 100 and p.stalls == 0 and p.direct_reads == 0
-    assert p.hits == 100 and p.misses == 0
+    assert p.counts["prefetch_hits"] == 100
+    assert p.counts["stalls"] == 0
+    assert p.counts["direct_reads"] == 0
+    assert p.counts["hits"] == 100 and p.counts["misses"] == 0
     assert [len(t.indices) for t in source.submitted] == [16] * 6 + [4]
     assert not p.inflight and not p.ready
 
@@ -128,13 +130,15 @@ def test_a_value_still_in_flight_is_waited_for_as_a_stall() -> None:
     p, _source = make(full_store(), prefetch=8)
     p.set_plan(list(range(20)))
     assert p.take(0) == "v0"  # waited: the source completes it in wait()
-    assert p.stalls == 1 and p.prefetch_hits == 0 and p.direct_reads == 0
+    assert p.counts["stalls"] == 1
+    assert p.counts["prefetch_hits"] == 0
+    assert p.counts["direct_reads"] == 0
 
 
 def test_unplanned_index_is_one_direct_read() -> None:
     p, source = make(full_store(), prefetch=0)
     assert p.take(42) == "v42"
-    assert p.direct_reads == 1 and [t.indices for t in source.submitted] == [[42]]
+    assert p.counts["direct_reads"] == 1 and [t.indices for t in source.submitted] == [[42]]
     assert source.submitted[0].direct
 
 
@@ -145,13 +149,13 @@ def test_sequential_reads_switch_to_read_ahead() -> None:
     assert source.requested == [10, *range(12, 20), 11]
     for i in range(12, 40):
         assert p.take(i) == f"v{i}"
-    assert p.direct_reads == 2 and p.prefetch_hits == 28
+    assert p.counts["direct_reads"] == 2 and p.counts["prefetch_hits"] == 28
 
 
 def test_keyed_sources_have_no_sequential_guess() -> None:
     p, source = make({"a": 1, "b": 2}, prefetch=8, length=None, auto=True)
     assert p.take("a") == 1 and p.take("b") == 2
-    assert p.direct_reads == 2 and len(source.submitted) == 2
+    assert p.counts["direct_reads"] == 2 and len(source.submitted) == 2
 
 
 def test_read_ahead_failure_is_dropped_and_read_again_later() -> None:
@@ -168,7 +172,7 @@ def test_read_ahead_failure_is_dropped_and_read_again_later() -> None:
     source.down = set()  # the store came back
     source.auto = True
     assert [p.take(i) for i in range(8, 16)] == [f"v{i}" for i in range(8, 16)]
-    assert p.direct_reads == 8 and p.misses == 0
+    assert p.counts["direct_reads"] == 8 and p.counts["misses"] == 0
 
 
 def test_waiting_on_a_failed_batch_is_a_miss_in_fallback() -> None:
@@ -179,7 +183,7 @@ def test_waiting_on_a_failed_batch_is_a_miss_in_fallback() -> None:
     # the in-flight batch fails while the consumer waits for index 0; the direct read
     # that follows fails too (the node is still down): a miss, computed by the caller
     assert p.take(0) is MISSING
-    assert p.misses == 1 and 0 not in p.inflight
+    assert p.counts["misses"] == 1 and 0 not in p.inflight
 
 
 def test_raise_mode_raises_fresh_errors_only() -> None:
@@ -210,7 +214,7 @@ def test_deadline_abandons_the_ticket_and_ignores_its_late_result() -> None:
     p.set_plan(list(range(20)))
     source.hang = True
     assert p.take(0) is MISSING  # the in-flight batch and the direct read both time out
-    assert p.stall_timeouts == 2 and not any(i in p.inflight for i in range(8))
+    assert p.counts["stall_timeouts"] == 2 and not any(i in p.inflight for i in range(8))
     source.hang = False
     source.complete_all()  # the late results arrive
     p.take(1)
@@ -256,7 +260,7 @@ def test_order_is_replanned_each_epoch_and_an_empty_replan_stops() -> None:
     p.set_plan(replan(), replan)
     assert [p.take(i) for i in (5, 3, 1)] == ["v5", "v3", "v1"]
     assert [p.take(i) for i in (2, 4)] == ["v2", "v4"]  # the next epoch's plan
-    assert p.direct_reads == 0
+    assert p.counts["direct_reads"] == 0
     assert p.take(7) == "v7"  # the order ran dry: a direct read, no recursion
     assert p.replan is None
 
@@ -288,7 +292,7 @@ def test_replan_drops_the_old_window() -> None:
     source.complete_all()  # the old plan's tickets complete late
     p.take(50)
     assert all(i not in p.ready for i in range(16))
-    assert p.wasted == 0 or p.wasted <= 16
+    assert p.counts["prefetch_wasted"] == 0 or p.counts["prefetch_wasted"] <= 16
 
 
 def test_values_equal_the_store_under_random_faults() -> None:
@@ -307,4 +311,4 @@ def test_values_equal_the_store_under_random_faults() -> None:
             assert value is MISSING or value == store[i]
             if rng.random() < 0.5:
                 source.complete_all()
-    assert p.hits + p.misses == 600
+    assert p.counts["hits"] + p.counts["misses"] == 600
