@@ -393,11 +393,16 @@ def warm(d: Deployment, namespace: str) -> None:
         pipe.__getitems__(list(range(N)))
 
 
-def recover(d: Deployment, namespace: str) -> float:
-    """Seconds until a fresh scan is served from the store again (writes included)."""
+def recover(d: Deployment, namespace: str,
+            pipe: ac.AsyncKVCacheMapDataPipe | None = None) -> float:
+    """Seconds until scans are served from the store again (what the fault cost was
+    written back meanwhile). With ``pipe``, the pipe that lived through the fault: its
+    back-off decides when it asks the store again."""
     started = time.monotonic()
-    with ac.AsyncKVCacheMapDataPipe(Source(compute=0), d.connect(),
-                                    namespace=namespace) as pipe:
+    own = pipe is None
+    if pipe is None:
+        pipe = ac.AsyncKVCacheMapDataPipe(Source(compute=0), d.connect(), namespace=namespace)
+    try:
         while time.monotonic() - started < RECOVER_WITHIN:
             before = pipe.stats()["hits"]
             values = pipe.__getitems__(list(range(N)))
@@ -405,6 +410,9 @@ def recover(d: Deployment, namespace: str) -> float:
             if pipe.stats()["hits"] - before >= 0.95 * N:
                 return time.monotonic() - started
             time.sleep(0.05)
+    finally:
+        if own:
+            pipe.close()
     raise AssertionError(f"the cache was not used again within {RECOVER_WITHIN} s")
 
 
@@ -434,16 +442,20 @@ def test_fallback(backend: str, fault: Fault, mode: str, namespace: str) -> None
         result = scan(pipe, mode, {N // 3: lambda: fault.start(d),
                                    2 * N // 3: lambda: fault.stop(d)})
         stats = pipe.stats()
+        d.heal()
+        recovered = recover(d, namespace, pipe)  # the same pipe: after its back-off
     finally:
         pipe.close(timeout=2)
         d.heal()
-    recovered = recover(d, namespace)
     record({"backend": backend, "fault": fault.name, "mode": mode, "wrong": result.wrong,
             "exceptions": len(result.exceptions), "worst_read_s": round(result.worst_read, 3),
             "worst_batch_s": round(result.worst_batch, 3), "recover_s": round(recovered, 2),
             "errors": stats["errors"], "hits": stats["hits"]})
     assert result.exceptions == []
     assert result.wrong == 0 and result.reads == N
+    if isinstance(fault, OneNodeKilled) and mode != "DataLoader 2 workers":
+        # the live nodes' keys are served throughout: ~2/3 of the fault window's reads
+        assert stats["hits"] >= 0.7 * N, stats
     assert result.worst_read <= READ_BOUND, result.worst_read
     if mode == "DataLoader 2 workers":
         assert result.worst_batch <= BATCH_BOUND + 1.0, result.worst_batch
@@ -572,13 +584,19 @@ def test_a_full_store_costs_misses_not_errors_of_the_training(backend: str, poli
                     assert all(right(v, i, FULL_BYTES) for i, v in zip(batch, values))
                 for index in range(0, n, 7):
                     assert right(pipe[index], index, FULL_BYTES)
+            # what fits is served: the first values written (noeviction keeps them), or
+            # the last ones (LRU evicted the older ones)
+            before = pipe.stats()["hits"]
+            kept = range(16) if policy == "noeviction" else range(n - 16, n)
+            for index in kept:
+                assert right(pipe[index], index, FULL_BYTES)
             stats = pipe.stats()
     finally:
         if not backend.startswith("memcached"):
             for node in d.nodes:
                 node.call("CONFIG", "SET", "maxmemory", "0")
                 node.call("FLUSHALL")
-    assert stats["hits"] > 0  # what fits is served
+    assert stats["hits"] - before > 0
     if policy == "noeviction":
         assert stats["rejected"] > 0 and stats["writes_dropped"] > 0  # refused, counted
         assert stats["timeouts"] == stats["unavailable"] == 0
