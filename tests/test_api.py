@@ -21,8 +21,10 @@ def test_all_names_exist() -> None:
 
 def test_datapipe_signature_matches_the_contract() -> None:
     params = inspect.signature(ac.AsyncKVCacheMapDataPipe).parameters
-    assert list(params) == ["source", "client", "prefetch", "namespace", "ttl", "codec",
-                            "on_error", "order"]
+    assert list(params)[:8] == ["source", "client", "prefetch", "namespace", "ttl", "codec",
+                                "on_error", "order"]
+    assert params["lease"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert params["lease"].default is None
     defaults = {name: p.default for name, p in params.items()}
     assert defaults["prefetch"] == 64 and defaults["on_error"] == "fallback"
     assert defaults["namespace"] is None and defaults["ttl"] is None
@@ -30,8 +32,10 @@ def test_datapipe_signature_matches_the_contract() -> None:
 
 
 def test_cache_signature_matches_the_contract() -> None:
-    params = list(inspect.signature(ac.AsyncKVCache).parameters)
+    signature = inspect.signature(ac.AsyncKVCache).parameters
+    params = list(signature)
     assert params[:5] == ["client", "namespace", "ttl", "codec", "on_error"]
+    assert signature["lease"].kind is inspect.Parameter.KEYWORD_ONLY
     for method in ("get", "get_many", "set", "set_many", "get_or_compute", "delete", "stats"):
         assert callable(getattr(ac.AsyncKVCache, method)), method
 

@@ -124,7 +124,7 @@ async def test_evicted_chunk_is_a_miss(namespace: str) -> None:
     client = ac.MemoryClient(name=namespace, max_value_size=4096)
     cache = ac.AsyncKVCache(client, namespace=namespace)
     await cache.set("v", bytes(range(256)) * 100)
-    chunk_keys = [k for k in client.data if b":chunk:" in k]
+    chunk_keys = [k for k in client.data if k.startswith(cache.prefix + b"c:")]
     assert len(chunk_keys) >= 2
     assert await cache.get("v") == bytes(range(256)) * 100
     del client.data[chunk_keys[0]]

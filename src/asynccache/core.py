@@ -12,8 +12,8 @@ Store key scheme (documented contract)::
 
     b"ac:" + namespace + b":" + encode_key(key)     # see asynccache.keys
 
-A chunked value keeps a small manifest under its key and its chunks under
-``<store key>:chunk:<token>:<i>``.
+A chunked value keeps a small manifest under its key and its chunks under keys of their
+own, in the same namespace (:func:`asynccache.keys.chunk_keys`).
 
 Markers that travel with values between the layers (never returned to users):
 ``MISSING`` (not in the store, or unusable: compute it), ``NOT_READ`` (the store was not
@@ -31,6 +31,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 import itertools
+import logging
+import os
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -48,7 +51,7 @@ from .errors import (
     ValueTooLarge,
 )
 from .health import FailurePolicy, OnError
-from .keys import check_namespace, encode_key, namespace_prefix
+from .keys import check_namespace, chunk_keys, encode_key, lease_key, namespace_prefix
 from .stats import Counters
 
 __all__ = ["MISSING", "NOT_READ", "AsyncKVCache", "Failed", "Key", "OnError"]
@@ -58,6 +61,11 @@ Key = Any  # int-like, str, bytes or tuples of them: see asynccache.keys
 #: Bytes per write request: a request must fit in ``timeout`` (a 50 MB batch is not one
 #: 1-second request), and reads queue behind less.
 WRITE_REQUEST_BYTES = 8 * 1024 * 1024
+#: How often a process waiting on another's lease looks for the value: from the first
+#: to the last delay, growing by half each time (a value usually lands within a compute).
+LEASE_POLL = (0.005, 0.1)
+
+logger = logging.getLogger("asynccache")
 
 
 class _Missing:
@@ -99,6 +107,13 @@ class AsyncKVCache:
     (namespace + key) in bytes. ``max_in_flight`` bounds concurrent store reads.
     ``max_pending_writes`` bounds the write-behind queue: when the store cannot keep
     up, the oldest pending writes are dropped (and counted) instead of growing memory.
+
+    ``lease`` (seconds, off by default): on a miss, the first process to miss a key
+    takes a short lease on it in the store (Redis ``SET NX PX``, memcached ``add``, for a
+    whole batch in one round trip), computes and writes it; the others wait for its
+    value (polling, at most ``lease`` seconds) instead of computing it again. A holder
+    that dies lets its lease expire and the next waiter takes it. Hits cost nothing
+    extra; store trouble during any of it means "compute here".
     """
 
     def __init__(
@@ -113,6 +128,7 @@ class AsyncKVCache:
         max_key_size: int = 1024,
         max_in_flight: int = 4,
         max_pending_writes: int = 10_000,
+        lease: float | None = None,
     ) -> None:
         if not isinstance(client, BaseClient):
             raise ConfigError(
@@ -122,6 +138,9 @@ class AsyncKVCache:
             raise ConfigError(f"on_error must be 'fallback' or 'raise', got {on_error!r}")
         if ttl is not None and ttl <= 0:
             raise ConfigError(f"ttl must be a positive number of seconds or None, got {ttl!r}")
+        if lease is not None and (not isinstance(lease, int | float) or lease <= 0):
+            raise ConfigError(f"lease must be a positive number of seconds (the longest a "
+                              f"compute may take) or None, got {lease!r}")
         self.client = client
         self.namespace = check_namespace(namespace)
         self.ttl = ttl
@@ -130,6 +149,7 @@ class AsyncKVCache:
         self.chunking = chunking
         self.max_key_size = max_key_size
         self.max_pending_writes = max_pending_writes
+        self.lease = lease
         self.prefix = namespace_prefix(self.namespace)
         self._max_in_flight = max_in_flight
         self.counters = Counters()
@@ -458,7 +478,8 @@ class AsyncKVCache:
                              ttl: Any = MISSING) -> Any:
         """The cached value, or ``compute()`` (sync or async) stored and returned.
 
-        Concurrent calls for the same key in this loop compute once.
+        Concurrent calls for the same key in this loop compute once; with ``lease``, so
+        do calls in other processes.
         """
         value = await self.get(key, MISSING)
         if value is not MISSING:
@@ -468,17 +489,112 @@ class AsyncKVCache:
         running = ls.computing.get(store_key)
         if running is not None:
             return await asyncio.shield(running)
-        task = ls.loop.create_task(self._compute_and_store(key, compute, ttl))
+        task = ls.loop.create_task(self._compute_and_store(key, store_key, compute, ttl))
         ls.computing[store_key] = task
         task.add_done_callback(lambda _t: ls.computing.pop(store_key, None))
         return await asyncio.shield(task)
 
-    async def _compute_and_store(self, key: Key, compute: Callable[[], Any], ttl: Any) -> Any:
+    async def _compute_and_store(self, key: Key, store_key: bytes,
+                                 compute: Callable[[], Any], ttl: Any) -> Any:
+        if self.lease is not None:
+            (mine,) = await self.acquire_leases([store_key])
+            if not mine:
+                found, _now_mine = await self.wait_for_values([store_key])
+                if store_key in found:
+                    return found[store_key]
         result = compute()
         if inspect.isawaitable(result):
             result = await result
         await self.set(key, result, ttl)
+        if self.lease is not None:
+            await self.release_leases([store_key])
         return result
+
+    # -- leases -----------------------------------------------------------------------
+    @property
+    def lease_token(self) -> bytes:
+        """What this process writes into the leases it holds (pid + random: who holds it)."""
+        token = getattr(self, "_lease_token", None)
+        if token is None or not token.startswith(b"%d:" % os.getpid()):
+            token = self._lease_token = b"%d:%s" % (os.getpid(), secrets.token_hex(8).encode())
+        return token
+
+    async def acquire_leases(self, store_keys: Sequence[bytes]) -> list[bool]:
+        """Take the lease on each key, one round trip for all: True where this process
+        now computes the value. Store trouble, or a store without leases: True (the
+        lease only saves work; it is never worth a wrong or missing value)."""
+        if self.lease is None or not store_keys:
+            return [True] * len(store_keys)
+        token = self.lease_token
+        try:
+            taken = await self.client.add_many({lease_key(k): token for k in store_keys},
+                                               self.lease)
+        except NotImplementedError as exc:
+            if self.policy.log.first("lease", exc):
+                logger.warning("asynccache: %s cannot take leases (%s): lease= is ignored, "
+                               "every process computes its own misses", self.client.safe_url,
+                               exc)
+            return [True] * len(store_keys)
+        except StoreError as exc:
+            self.policy.failed(self.client.safe_url, "lease", exc)
+            return [True] * len(store_keys)
+        counters = self.counters.shard()
+        counters["leases"] += sum(taken)
+        return taken
+
+    async def release_leases(self, store_keys: Sequence[bytes]) -> None:
+        """Drop our leases once the values are written (waiters see the value first; a
+        write that failed lets a waiter take the lease at once instead of at expiry)."""
+        if self.lease is None or not store_keys:
+            return
+        try:
+            await self.client.delete_many([lease_key(k) for k in store_keys])
+        except StoreError as exc:
+            self.policy.failed(self.client.safe_url, "lease", exc)
+
+    async def wait_for_values(self, store_keys: Sequence[bytes], deadline: float | None = None
+                              ) -> tuple[dict[bytes, Any], list[bytes]]:
+        """Values of keys other processes hold leases on: polled until each one arrives,
+        or its lease is free again (its holder died or gave up: then it is this
+        process's to compute), or the deadline (default: ``lease`` seconds from now, plus
+        the store's expiry slack: memcached expires whole seconds).
+
+        Returns the values found and the keys this process must now compute.
+        """
+        if deadline is None:
+            deadline = time.monotonic() + (self.lease or 0.0) + self.client.expiry_slack
+        counters = self.counters.shard()
+        counters["lease_waits"] += len(store_keys)
+        found: dict[bytes, Any] = {}
+        mine: list[bytes] = []
+        pending = list(store_keys)
+        delay, longest = LEASE_POLL
+        while pending:
+            values, error = await self.read_values(pending)
+            still = []
+            for key, value in zip(pending, values):
+                if value is MISSING or value is NOT_READ or type(value) is Failed:
+                    still.append(key)
+                else:
+                    found[key] = value
+            if error is not None:  # the store is in trouble: compute the rest here
+                mine += still
+                break
+            if not still:
+                break
+            taken = await self.acquire_leases(still)  # free again: the holder is gone
+            mine += [k for k, ok in zip(still, taken) if ok]
+            pending = [k for k, ok in zip(still, taken) if not ok]
+            remaining = deadline - time.monotonic()
+            if pending and remaining <= 0:
+                counters["lease_timeouts"] += len(pending)
+                mine += pending
+                break
+            if pending:
+                await asyncio.sleep(min(delay, remaining))
+                delay = min(delay * 1.5, longest)
+        counters["lease_hits"] += len(found)
+        return found, mine
 
     # -- stats ------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
@@ -514,8 +630,7 @@ class _LoopState:
 
 
 def _chunk_keys(store_key: bytes, manifest: ChunkManifest) -> list[bytes]:
-    stem = store_key + b":chunk:" + manifest.token.encode() + b":"
-    return [stem + b"%d" % i for i in range(manifest.chunks)]
+    return chunk_keys(store_key, manifest.token, manifest.chunks)
 
 
 def _write_requests(entries: Mapping[bytes, bytes], max_keys: int

@@ -30,6 +30,7 @@ Keys: ``key_for(i) == b"ac:" + namespace + b":" + str(i)`` for an int index.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import operator
 import os
@@ -121,7 +122,7 @@ class _Runtime:
         self.length = len(pipe)
         self.loop: LoopThread = get_loop_thread()
         self.cache = AsyncKVCache(pipe.client, pipe.namespace, pipe.ttl, pipe.codec,
-                                  pipe.on_error)
+                                  pipe.on_error, lease=pipe.lease)
         #: ``0 <= i < fast_length`` means "an int index needing no normalization"
         self.fast_length = self.length if pipe._mapping is None else -1
         self.local = threading.local()
@@ -214,6 +215,14 @@ class _Runtime:
         if entries:
             self.cache.write_behind(entries)
 
+    async def write_then_release(self, entries: dict[bytes, bytes], keys: list[bytes]) -> None:
+        """Write computed values now, then drop their leases (waiters see the value)."""
+        try:
+            await self.cache.write_entries(entries)
+        except StoreError:
+            pass  # raise mode: counted by the policy; a pipe's writes never raise
+        await self.cache.release_leases(keys)
+
     async def finish(self, close: bool) -> None:
         """Write what is queued; with ``close``, also close this loop's connections."""
         self._hand_over()
@@ -233,7 +242,9 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
     Works on any ``source`` with ``__getitem__`` and ``__len__``. ``order`` is the
     indices that will be read next: a list, tuple, numpy array, tensor, sampler, or an
     iterator (which is consumed once, here, and reused every epoch); it is re-iterated
-    when used up. ``prefetch=0`` disables read-ahead.
+    when used up. ``prefetch=0`` disables read-ahead. ``lease`` (seconds): each miss
+    is computed by one process while the others wait for its value (see
+    :class:`~asynccache.core.AsyncKVCache`).
     """
 
     def __init__(
@@ -246,6 +257,8 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         codec: Codec | None = None,
         on_error: OnError = "fallback",
         order: Iterable[Any] | None = None,
+        *,
+        lease: float | None = None,
     ) -> None:
         if not hasattr(source, "__getitem__") or not hasattr(source, "__len__"):
             raise ConfigError(
@@ -261,10 +274,11 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         self.ttl = ttl
         self.codec = codec
         self.on_error: OnError = on_error
+        self.lease = lease
         self._mapping = _mapping_behind(source)
         self.order = self._check_order(order)
         # Validates namespace / client / on_error now, in the caller, not in a worker.
-        probe = AsyncKVCache(client, self.namespace, ttl, codec, on_error)
+        probe = AsyncKVCache(client, self.namespace, ttl, codec, on_error, lease=lease)
         self._prefix = probe.prefix
         self._max_key_size = probe.max_key_size
         self._rt: _Runtime | None = None
@@ -399,11 +413,50 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         nothing even with persistent workers. Single ``dp[i]`` reads only queue
         (write-behind); ``close()``/``flush()`` wait.
         """
+        if self.lease is not None:
+            return self._compute_once(list(dict.fromkeys(indices)), rt)
         computed = {i: self.source[i] for i in dict.fromkeys(indices)}
         rt.cache.counters.add("computed", len(computed))
         rt.queue_writes(rt.cache.encode_entries({self.key_for(i): v for i, v in computed.items()}))
         if wait:
             self._finish(rt, close=False, timeout=max(self.client.timeout * 2, 1.0))
+        return computed
+
+    def _compute_once(self, indices: list[Any], rt: _Runtime) -> dict[Any, Any]:
+        """Misses under ``lease``: take the leases (one round trip), compute and write
+        what is ours, wait for the others' values; a lease that frees up while waiting
+        (its holder died) is ours too."""
+        cache, loop = rt.cache, rt.loop
+        bound = self.client.timeout * 3 + 1
+        keys = {self.key_for(i): i for i in indices}
+        try:
+            taken = loop.call(cache.acquire_leases(list(keys)), bound)
+        except concurrent.futures.TimeoutError:
+            taken = [True] * len(keys)
+        computed = self._compute_mine([i for i, ok in zip(indices, taken) if ok], rt)
+        theirs = [k for k, ok in zip(keys, taken) if not ok]
+        if theirs:
+            try:
+                found, mine = loop.call(
+                    cache.wait_for_values(theirs),
+                    self.lease + self.client.expiry_slack + bound)  # type: ignore[operator]
+            except concurrent.futures.TimeoutError:
+                found, mine = {}, theirs
+            computed.update((keys[k], v) for k, v in found.items())
+            computed.update(self._compute_mine([keys[k] for k in mine], rt))
+        return computed
+
+    def _compute_mine(self, indices: list[Any], rt: _Runtime) -> dict[Any, Any]:
+        if not indices:
+            return {}
+        computed = {i: self.source[i] for i in indices}
+        rt.cache.counters.add("computed", len(computed))
+        entries = rt.cache.encode_entries({self.key_for(i): v for i, v in computed.items()})
+        keys = [self.key_for(i) for i in indices]
+        try:
+            rt.loop.call(rt.write_then_release(entries, keys), self.client.timeout * 3 + 1)
+        except concurrent.futures.TimeoutError:
+            rt.cache.count("writes_dropped", len(entries))
         return computed
 
     def __iter__(self) -> Iterator[Any]:

@@ -69,3 +69,21 @@ def test_namespace_rules() -> None:
         check_namespace("")
     with pytest.raises(ac.KeyTooLong, match="short name"):
         check_namespace("n" * 300)
+    with pytest.raises(ac.ConfigError, match="separates"):
+        check_namespace("a:s")  # would make ("a:s", 1) and ("a", "1") one store key
+
+
+def test_chunk_and_lease_keys_never_collide_with_value_keys() -> None:
+    from asynccache.keys import chunk_keys, lease_key
+
+    prefix = namespace_prefix("ns")
+    value = prefix + encode_key("x")
+    assert chunk_keys(value, "ab12", 2) == [b"ac:ns:c:ab12:0:s:x", b"ac:ns:c:ab12:1:s:x"]
+    assert lease_key(value) == b"ac:ns:l:s:x"
+    # a user key that spells another kind's key is still a value key of its own
+    for tricky in ("x:lease", "c:ab12:0:s:x", "l:s:x", ("c:",)):
+        other = prefix + encode_key(tricky)
+        assert other not in {lease_key(value), *chunk_keys(value, "ab12", 2)}
+    assert lease_key(prefix + encode_key(5)) == b"ac:ns:l:5"
+    with pytest.raises(ValueError):
+        lease_key(b"not-ours")

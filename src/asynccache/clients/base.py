@@ -144,6 +144,9 @@ class BaseClient(ABC, Generic[StateT]):
     scheme: ClassVar[str]
     #: Largest value the store accepts in one item; ``None`` means "no practical limit".
     max_value_size: int | None = None
+    #: How much later than asked an expiry may happen (memcached counts whole seconds):
+    #: a process waiting on another's lease waits this much longer before giving up.
+    expiry_slack: ClassVar[float] = 0.0
 
     def __init__(
         self,
@@ -309,6 +312,12 @@ class BaseClient(ABC, Generic[StateT]):
         """Connections the consumer thread can drive itself (read-ahead without a thread
         hop), or None when this store's reads go through the event loop."""
         return None
+
+    async def add_many(self, entries: Mapping[bytes, bytes], ttl: float) -> list[bool]:
+        """Store each pair only where the key is absent, expiring after ``ttl`` seconds;
+        True where stored. What ``lease=`` is built on (Redis ``SET NX PX``, memcached
+        ``add``); a store without it cannot take leases."""
+        raise NotImplementedError(f"{type(self).__name__} has no add_many (set if absent)")
 
     async def get(self, key: bytes) -> bytes | None:
         return (await self.get_many([key]))[0]

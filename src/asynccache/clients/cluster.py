@@ -52,6 +52,7 @@ from ..protocol.resp import (
     pack_delete,
     pack_mget,
     pack_set,
+    pack_set_if_absent,
 )
 from .base import NOT_READ, BaseClient, ReadResult, WriteResult, chunked
 from .endpoint import RedisEndpoint
@@ -301,6 +302,21 @@ class _Write(_Call):
             explain_rejection(reply, f"cluster node {node}", size))
 
 
+class _Add(_Call):
+    """``SET NX PX`` per key: which keys were absent (and are now set)."""
+
+    def __init__(self, client: RedisClusterClient, state: _ClusterState, n: int) -> None:
+        super().__init__(client, state, ())
+        self.added = [False] * n
+
+    def on_reply(self, node: str, command: _Command, reply: Any) -> None:
+        if is_error(reply):
+            self.fail(node, StoreError(f"redis cluster node {node} refused SET NX: {reply}"),
+                      [command])
+            return
+        self.added[command.positions[0]] = reply is not None
+
+
 class _Delete(_Call):
     def on_reply(self, node: str, command: _Command, reply: Any) -> None:
         if is_error(reply):
@@ -534,3 +550,13 @@ class RedisClusterClient(BaseClient[_ClusterState]):
             if is_error(reply[0]):
                 raise StoreError(f"redis cluster node {target.node} answered PING with "
                                  f"{reply[0]}")
+
+    async def add_many(self, entries: Mapping[bytes, bytes], ttl: float) -> list[bool]:
+        items = list(entries.items())
+        call = _Add(self, await self._ready(), len(items))
+        ttl_ms = max(1, int(ttl * 1000))
+        await call.run([_Command(key_slot(key), [i], pack_set_if_absent(key, value, ttl_ms))
+                        for i, (key, value) in enumerate(items)])
+        for error in call.failures.values():
+            raise error
+        return call.added

@@ -54,6 +54,7 @@ from ..protocol.memcache import (
     explain_rejection,
     no_answer,
     not_understood,
+    pack_add,
     pack_delete,
     pack_get,
     pack_set,
@@ -242,6 +243,7 @@ class MemcachedClient(BaseClient[_MemcachedState]):
     """Client for one or more memcached servers (rendezvous hashing across them)."""
 
     scheme = "memcached"
+    expiry_slack = 1.0  # exptime is whole seconds on a one-second clock
 
     def __init__(
         self,
@@ -420,6 +422,29 @@ class MemcachedClient(BaseClient[_MemcachedState]):
 
     async def ping(self) -> None:
         await _on_every_node([(node, [VERSION]) for node in self._state().nodes], "version")
+
+    async def add_many(self, entries: Mapping[bytes, bytes], ttl: float) -> list[bool]:
+        """memcached ``add`` per key (whole seconds: a lease rounds up to 1 s)."""
+        nodes = self._state().nodes
+        exptime = _exptime(ttl)
+        keys = list(entries)
+        groups: dict[int, list[int]] = {}
+        safe = [safe_memcached_key(k) for k in keys]
+        for position, key in enumerate(safe):
+            groups.setdefault(self._owner(key), []).append(position)
+        work = [(nodes[i], [pack_add(safe[p], entries[keys[p]], exptime) for p in positions])
+                for i, positions in groups.items()]
+        outcomes = await _concurrently([_attempt(node.writes.execute(requests))
+                                        for node, requests in work])
+        added = [False] * len(keys)
+        for (node, _), positions, outcome in zip(work, groups.values(), outcomes):
+            if isinstance(outcome, StoreError):
+                raise outcome
+            for position, reply in zip(positions, outcome):
+                if isinstance(reply, ErrorReply):
+                    raise StoreError(f"memcached {node.name} answered add with {reply}")
+                added[position] = reply == STORED
+        return added
 
 
 async def _on_every_node(work: list[tuple[_Node, list[Request]]], what: str) -> None:

@@ -70,3 +70,16 @@ class MemoryClient(BaseClient[None]):
 
     def clear(self) -> None:
         self.data.clear()
+
+    async def add_many(self, entries: Mapping[bytes, bytes], ttl: float) -> list[bool]:
+        now = time.monotonic()
+        data = self.data
+        added = []
+        for key, value in entries.items():
+            entry = data.get(key)
+            if entry is not None and (entry[1] is None or entry[1] > now):
+                added.append(False)
+                continue
+            data[key] = (bytes(value), now + ttl)
+            added.append(True)
+        return added

@@ -21,7 +21,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import StoreError, StoreRejected
-from ..protocol.resp import PING, explain_rejection, is_error, pack_delete, pack_set
+from ..protocol.resp import (
+    PING,
+    explain_rejection,
+    is_error,
+    pack_delete,
+    pack_set,
+    pack_set_if_absent,
+)
 from .base import BaseClient, ConsumerReads, WriteResult, chunked
 from .blocking import BlockingRespConnection
 from .endpoint import RedisEndpoint
@@ -153,3 +160,14 @@ class RedisClient(BaseClient[_RedisState]):
         (reply,) = await self._state().reads.execute([[PING]])
         if is_error(reply):
             raise StoreError(f"redis {self.safe_url} answered PING with {reply}")
+
+    async def add_many(self, entries: Mapping[bytes, bytes], ttl: float) -> list[bool]:
+        if not entries:
+            return []
+        ttl_ms = max(1, int(ttl * 1000))
+        replies = await self._state().writes.execute(
+            [pack_set_if_absent(k, v, ttl_ms) for k, v in entries.items()])
+        for reply in replies:
+            if is_error(reply):
+                raise StoreError(f"redis {self.safe_url} refused SET NX: {reply}")
+        return [reply is not None for reply in replies]

@@ -129,6 +129,12 @@ def pack_set(key: bytes, value: bytes | memoryview, exptime: int, flags: int = 0
     return Request((head, value, b"\r\n"), accepts=_STORAGE_WORDS)
 
 
+def pack_add(key: bytes, value: bytes, exptime: int) -> Request:
+    """``add``: store only if the key is absent (``STORED``), else ``NOT_STORED``."""
+    head = b"add %s 0 %d %d\r\n" % (key, exptime, len(value))
+    return Request((head, value, b"\r\n"), accepts=_STORAGE_WORDS)
+
+
 def pack_delete(key: bytes) -> Request:
     return Request((b"delete %s\r\n" % key,), accepts=_DELETE_WORDS)
 

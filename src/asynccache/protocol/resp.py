@@ -87,6 +87,13 @@ def pack_set(key: bytes, value: bytes | memoryview, ttl_ms: int | None) -> list[
     return [head, value, b"\r\n$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ttl), ttl)]
 
 
+def pack_set_if_absent(key: bytes, value: bytes, ttl_ms: int) -> list[Any]:
+    """``SET key value NX PX ttl``: the reply is ``OK`` when set, nil when the key exists."""
+    ttl = b"%d" % ttl_ms
+    return [b"*6\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n$2\r\nNX\r\n$2\r\nPX\r\n"
+            b"$%d\r\n%s\r\n" % (len(key), key, len(value), value, len(ttl), ttl)]
+
+
 def pack_delete(keys: Sequence[bytes]) -> bytes:
     return pack_command(b"DEL", *keys)
 
