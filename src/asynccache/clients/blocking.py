@@ -42,7 +42,7 @@ from typing import Any
 
 from ..errors import StoreError, StoreTimeout, StoreUnavailable
 from ..protocol.resp import check_mget_reply, new_parser, pack_mget, setup_refused
-from .endpoint import RedisEndpoint, readable_while_idle, wait_ready
+from .endpoint import RedisEndpoint, closed_hint, readable_while_idle, wait_ready
 
 __all__ = ["BlockingRespConnection"]
 
@@ -122,7 +122,8 @@ class BlockingRespConnection:
                 continue
             except OSError as exc:
                 raise StoreUnavailable(
-                    f"redis connection to {self.endpoint.where} failed: {exc}") from exc
+                    f"redis connection to {self.endpoint.where} failed: {exc}"
+                    f"{closed_hint(self.endpoint.tls)}") from exc
             view = view[sent:]
 
     def _wait(self, events: int, deadline: float, what: str) -> None:
@@ -188,7 +189,7 @@ class BlockingRespConnection:
                 events = self._recv_available()
             except _Closed as exc:
                 raise StoreUnavailable(f"redis {self.endpoint.where} closed the connection "
-                                       "during setup") from exc
+                                       f"during setup{closed_hint(self.endpoint.tls)}") from exc
         return reply
 
     def _recv_available(self) -> int:
@@ -231,7 +232,8 @@ class BlockingRespConnection:
         if not self._may_retry:
             self._fail()
             raise StoreUnavailable(
-                f"redis connection to {self.endpoint.where} failed: {exc}") from exc
+                f"redis connection to {self.endpoint.where} failed: {exc}"
+                f"{closed_hint(self.endpoint.tls)}") from exc
         self._may_retry = False
         requests = list(self.pending)
         self.close()

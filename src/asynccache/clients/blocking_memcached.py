@@ -44,7 +44,7 @@ from ..protocol.memcache import (
     unexpected_reply,
 )
 from .base import chunked
-from .endpoint import TlsSettings, open_stream, readable_while_idle, wait_ready
+from .endpoint import TlsSettings, closed_hint, open_stream, readable_while_idle, wait_ready
 
 __all__ = ["BlockingMemcachedConnection"]
 
@@ -165,7 +165,8 @@ class BlockingMemcachedConnection:
                 continue
             except OSError as exc:
                 raise StoreUnavailable(
-                    f"memcached connection to {self.node} failed: {exc}") from exc
+                    f"memcached connection to {self.node} failed: {exc}"
+                    f"{closed_hint(self.tls)}") from exc
             view = view[sent:]
 
     def _wait(self, events: int, deadline: float, what: str) -> None:
@@ -277,7 +278,8 @@ class BlockingMemcachedConnection:
         if not self._may_retry:
             self._fail()
             raise StoreUnavailable(
-                f"memcached connection to {self.node} failed: {exc}") from exc
+                f"memcached connection to {self.node} failed: {exc}"
+                f"{closed_hint(self.tls)}") from exc
         self._may_retry = False
         self.close()
         try:

@@ -37,6 +37,8 @@ __all__ = [
     "CERT_REQS",
     "RedisEndpoint",
     "TlsSettings",
+    "close_transport",
+    "closed_hint",
     "connect_failure",
     "open_stream",
     "readable_while_idle",
@@ -162,6 +164,17 @@ class RedisEndpoint:
         return sock
 
 
+def close_transport(transport: asyncio.BaseTransport) -> None:
+    """Close an asyncio connection now. A TLS transport is aborted: ``close()`` would first
+    exchange close_notify alerts with the server, which keeps the socket open for a round
+    trip (up to the loop's SSL shutdown timeout, 30 s, with a dead server) and past the
+    end of a loop that stops right after; a cache connection has nothing left to flush."""
+    if transport.get_extra_info("sslcontext") is not None:
+        transport.abort()  # type: ignore[attr-defined]
+    else:
+        transport.close()
+
+
 # -- blocking sockets, plain or TLS --------------------------------------------------------
 def open_stream(host: str, port: int, *, tls: TlsSettings | None, connect_timeout: float,
                 kind: str, where: str) -> socket.socket:
@@ -177,19 +190,20 @@ def open_stream(host: str, port: int, *, tls: TlsSettings | None, connect_timeou
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setblocking(False)
         if tls is not None:
-            sock = _handshake(tls.context().wrap_socket(
-                sock, server_hostname=host, do_handshake_on_connect=False), deadline)
+            sock = tls.context().wrap_socket(sock, server_hostname=host,
+                                             do_handshake_on_connect=False)
+            _handshake(sock, deadline)
     except OSError as exc:
         sock.close()
         raise connect_failure(kind, where, exc, tls, connect_timeout) from exc
     return sock
 
 
-def _handshake(sock: ssl.SSLSocket, deadline: float) -> ssl.SSLSocket:
+def _handshake(sock: ssl.SSLSocket, deadline: float) -> None:
     while True:
         try:
             sock.do_handshake()
-            return sock
+            return
         except ssl.SSLWantReadError:
             events = select.POLLIN
         except ssl.SSLWantWriteError:
@@ -234,6 +248,16 @@ def readable_while_idle(sock: socket.socket) -> bool:
 
 
 # -- what a failed connection means --------------------------------------------------------
+def closed_hint(tls: TlsSettings | None) -> str:
+    """Why a TLS server may close a connection it has just accepted: with TLS 1.3 the
+    client's handshake is over before the server has checked the client's certificate,
+    so a refused (or missing) one shows up as the connection closing at its first read."""
+    if tls is None or tls.certfile is not None:
+        return ""
+    return ("; a TLS server that requires client certificates closes the connection of a "
+            "client without one: pass ssl_certfile and ssl_keyfile")
+
+
 def connect_failure(kind: str, where: str, exc: BaseException, tls: TlsSettings | None,
                     connect_timeout: float) -> StoreError:
     """The StoreError for a connection attempt that raised ``exc`` (an OSError, an
@@ -263,6 +287,8 @@ def connect_failure(kind: str, where: str, exc: BaseException, tls: TlsSettings 
                     "ssl_keyfile")
         return StoreUnavailable(f"TLS handshake with {kind} {where} failed: {reason}{hint}")
     if isinstance(exc, TimeoutError | asyncio.TimeoutError):
+        during = (" (TCP connect and TLS handshake: a server that does not speak TLS on "
+                  "this port never answers the handshake)" if tls else "")
         return StoreTimeout(f"connecting to {kind} {where} took over {connect_timeout:g}s"
-                            f"{' (TCP connect and TLS handshake)' if tls else ''}")
+                            f"{during}")
     return StoreUnavailable(f"cannot connect to {kind} {where}: {exc}")

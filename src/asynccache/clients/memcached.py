@@ -70,7 +70,7 @@ from .base import (
     chunked,
 )
 from .blocking_memcached import BlockingMemcachedConnection
-from .endpoint import TlsSettings, connect_failure
+from .endpoint import TlsSettings, close_transport, connect_failure
 
 __all__ = ["MemcachedClient", "MemcachedConnection", "rendezvous_owner", "safe_memcached_key"]
 
@@ -132,7 +132,7 @@ class _Protocol(asyncio.Protocol):
             if not fut.done():
                 fut.set_exception(error)
         if self.transport is not None:
-            self.transport.close()
+            close_transport(self.transport)
 
 
 class MemcachedConnection:
@@ -220,7 +220,7 @@ class MemcachedConnection:
 
     def close(self) -> None:
         if self._proto is not None and self._proto.transport is not None:
-            self._proto.transport.close()
+            close_transport(self._proto.transport)
         self._proto = None
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from ..errors import StoreError, StoreTimeout, StoreUnavailable
 from ..protocol.resp import check_mget_reply, new_parser, pack_mget, setup_refused
-from .endpoint import RedisEndpoint, connect_failure
+from .endpoint import RedisEndpoint, close_transport, connect_failure
 
 #: One request: the buffers of one command, written back to back (values not copied).
 Request = Sequence[bytes | memoryview]
@@ -76,7 +76,7 @@ class _Protocol(asyncio.Protocol):
             if not fut.done():
                 fut.set_exception(error)
         if self.transport is not None:
-            self.transport.close()
+            close_transport(self.transport)
 
 
 class RespConnection:
@@ -178,5 +178,5 @@ class RespConnection:
 
     def close(self) -> None:
         if self._proto is not None and self._proto.transport is not None:
-            self._proto.transport.close()
+            close_transport(self._proto.transport)
         self._proto = None
