@@ -161,3 +161,15 @@ def tls_redis(tls_certs: TlsCerts) -> Iterator[servers.RedisServer]:
 def tls_memcached(tls_certs: TlsCerts) -> Iterator[servers.MemcachedServer]:
     with servers.start_memcached(tls=tls_certs.server) as server:
         yield server
+
+
+# -- credentials ----------------------------------------------------------------------------
+#: a password with characters that URLs quote, so leak checks look for both spellings
+SERVER_PASSWORD = "s3cret/Pa55@asynccache%"
+
+
+@pytest.fixture(scope="session")
+def password_redis() -> Iterator[servers.RedisServer]:
+    """A redis whose default user needs SERVER_PASSWORD (``requirepass``)."""
+    with servers.start_redis(prefer="redis", password=SERVER_PASSWORD) as server:
+        yield server
