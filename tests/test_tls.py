@@ -118,6 +118,41 @@ def test_memcached_over_tls_consumer_reads(tls_memcached: servers.MemcachedServe
     assert stats["hits"] == 300 and stats["prefetch_hits"] > 0 and stats["errors"] == 0
 
 
+@pytest.fixture(scope="module")
+def tls_cluster(tls_certs: TlsCerts) -> Iterator[servers.RedisCluster]:
+    with servers.start_redis_cluster(3, tls=tls_certs.server) as cluster:
+        yield cluster
+
+
+@pytest.mark.anyio
+async def test_cluster_over_tls(tls_cluster: servers.RedisCluster, namespace: str) -> None:
+    assert tls_cluster.url.startswith("rediss+cluster://")
+    client = ac.connect(tls_cluster.url)
+    async with ac.AsyncKVCache(client, namespace=namespace) as cache:
+        await cache.set_many({i: ("c", i) for i in range(200)})  # keys on every node
+        assert await cache.get_many(range(200)) == {i: ("c", i) for i in range(200)}
+        assert cache.stats()["errors"] == 0
+        assert len(client.node_names) == 3
+
+
+def test_cluster_pipe_over_tls_and_an_untrusted_ca(tls_cluster: servers.RedisCluster,
+                                                   tls_certs: TlsCerts,
+                                                   namespace: str) -> None:
+    stats = read_twice(tls_cluster.url, namespace, 100)
+    assert stats["hits"] == 100 and stats["errors"] == 0
+    hosts = tls_cluster.url.partition("://")[2].partition("?")[0]
+    untrusted = f"rediss+cluster://{hosts}?ssl_ca_certs={tls_certs.untrusted_ca}"
+    with ac.AsyncKVCacheMapDataPipe(Source(10), ac.connect(untrusted), namespace=namespace,
+                                    on_error="raise") as dp, pytest.raises(
+                                        ac.StoreUnavailable,
+                                        match=r"TLS verification failed.*ssl_ca_certs"):
+        dp[0]
+    with ac.AsyncKVCacheMapDataPipe(Source(10), ac.connect(untrusted),
+                                    namespace=namespace) as dp:
+        assert [dp[i] for i in range(10)] == [Source(10)[i] for i in range(10)]
+        assert dp.stats()["unavailable"] >= 1
+
+
 # -- verification failures --------------------------------------------------------------
 def untrusted_url(server: servers.RedisServer, certs: TlsCerts) -> str:
     return f"rediss://127.0.0.1:{server.port}/0?ssl_ca_certs={certs.untrusted_ca}"

@@ -867,7 +867,10 @@ class RedisCluster:
     def url(self) -> str:
         """The nodes' addresses as clients should use them: the proxies' when proxied."""
         ends: Sequence[FaultProxy | RedisServer] = self.proxies or self.nodes
-        return "redis+cluster://" + ",".join(f"{end.host}:{end.port}" for end in ends)
+        tls = self.nodes[0].tls
+        scheme = "redis+cluster" if tls is None else "rediss+cluster"
+        hosts = ",".join(f"{end.host}:{end.port}" for end in ends)
+        return f"{scheme}://{hosts}{_tls_query(tls)}"
 
     @property
     def version(self) -> str:
@@ -964,6 +967,17 @@ def _slot_ranges(n: int) -> list[tuple[int, int]]:
     return [(bounds[i], bounds[i + 1] - 1) for i in range(n)]
 
 
+def _cli_tls(tls: TlsFiles | None) -> list[str]:
+    """redis-cli's options to reach servers using ``tls``."""
+    if tls is None:
+        return []
+    args = ["--tls", "--cacert", tls.ca_cert]
+    if tls.require_client_cert:
+        assert tls.client_cert_file is not None
+        args += ["--cert", tls.client_cert_file, "--key", tls.client_key_file or ""]
+    return args
+
+
 def _create_cluster(nodes: list[RedisServer], timeout: float) -> None:
     """With redis-cli when there is one (it needs >= 3 masters), else by hand.
 
@@ -974,7 +988,8 @@ def _create_cluster(nodes: list[RedisServer], timeout: float) -> None:
     cli = _find_cli(nodes[0].binary)
     if cli is not None and len(nodes) >= 3:
         addrs = [f"{n.host}:{port}" for n, port in zip(nodes, ports, strict=True)]
-        argv = [cli, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"]
+        argv = [cli, *_cli_tls(nodes[0].tls), "--cluster", "create", *addrs,
+                "--cluster-replicas", "0", "--cluster-yes"]
         try:
             done = subprocess.run(
                 argv, capture_output=True, text=True, timeout=timeout, check=False
@@ -999,19 +1014,21 @@ def _create_cluster(nodes: list[RedisServer], timeout: float) -> None:
 
 
 def start_redis_cluster(
-    n: int = 3, *, binary: str | None = None, through_proxies: bool = False
+    n: int = 3, *, binary: str | None = None, through_proxies: bool = False,
+    tls: TlsFiles | None = None,
 ) -> RedisCluster:
     """Start *n* cluster-enabled masters (0 replicas) and wait until the cluster is ok.
 
     With *through_proxies*, clients reach node i only through ``proxies[i]``, a
-    :class:`~asynccache.proxy.FaultProxy` (see :class:`RedisCluster`).
+    :class:`~asynccache.proxy.FaultProxy` (see :class:`RedisCluster`). With *tls* every
+    node serves TLS only, its cluster bus included.
     """
     if n < 1:
         raise ConfigError(f"a cluster needs at least one node, not {n}")
     nodes: list[RedisServer] = []
     try:
         for _ in range(n):
-            nodes.append(RedisServer(binary, cluster=True))
+            nodes.append(RedisServer(binary, cluster=True, tls=tls))
         cluster = RedisCluster(nodes, through_proxies=through_proxies)
     except BaseException:
         for node in nodes:

@@ -55,7 +55,7 @@ from ..protocol.resp import (
     pack_set,
 )
 from .base import NOT_READ, BaseClient, Credential, ReadResult, WriteResult, chunked
-from .endpoint import RedisEndpoint, TlsSettings
+from .endpoint import RedisEndpoint, TlsSettings, connect_failure, ssl_error_in
 from .resp import Request, RespConnection
 
 __all__ = ["RedisClusterClient"]
@@ -429,6 +429,10 @@ class RedisClusterClient(BaseClient[_ClusterState]):
                                f"within {budget:g}s") from exc
         except (rexc.RedisError, rexc.RedisClusterException, OSError) as exc:
             # RedisClusterException ("cannot be connected") is not a RedisError
+            tls_error = ssl_error_in(exc)
+            if tls_error is not None:  # say what TLS refused, not only "cannot connect"
+                raise connect_failure("redis cluster", self.safe_url, tls_error, self.tls,
+                                      self.connect_timeout) from exc
             raise StoreUnavailable(f"cannot read the slot map of redis cluster "
                                    f"{self.safe_url}: {exc}") from exc
         state.ready = True

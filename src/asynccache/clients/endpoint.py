@@ -42,6 +42,7 @@ __all__ = [
     "connect_failure",
     "open_stream",
     "readable_while_idle",
+    "ssl_error_in",
     "wait_ready",
 ]
 
@@ -256,6 +257,22 @@ def closed_hint(tls: TlsSettings | None) -> str:
         return ""
     return ("; a TLS server that requires client certificates closes the connection of a "
             "client without one: pass ssl_certfile and ssl_keyfile")
+
+
+def ssl_error_in(exc: BaseException) -> ssl.SSLError | None:
+    """The ``ssl.SSLError`` behind ``exc`` (itself, or one it was raised from or during),
+    if any: redis-py reports a failed handshake as its own ConnectionError."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        if isinstance(e, ssl.SSLError):
+            return e
+        seen.add(id(e))
+        todo += [e.__cause__, e.__context__]
+    return None
 
 
 def connect_failure(kind: str, where: str, exc: BaseException, tls: TlsSettings | None,
