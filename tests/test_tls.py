@@ -311,6 +311,19 @@ def test_bytes_held_by_the_ssl_object_count_as_readable(tls_redis: servers.Redis
         assert time.monotonic() - started < 0.05
 
 
+def test_a_readiness_check_does_not_wait(tls_redis: servers.RedisServer,
+                                         tls_certs: TlsCerts) -> None:
+    """The idle check runs before a send on an idle connection: on the hot path."""
+    context = ssl.create_default_context(cafile=tls_certs.server.ca_cert)
+    raw = socket.create_connection(("127.0.0.1", tls_redis.port), 2)
+    with context.wrap_socket(raw, server_hostname="127.0.0.1") as sock:
+        sock.sendall(b"*1\r\n$4\r\nPING\r\n")
+        assert sock.recv(100) == b"+PONG\r\n"  # session tickets read on the way
+        started = time.monotonic()
+        assert not any(wait_ready(sock, select.POLLIN, 0) for _ in range(200))
+        assert time.monotonic() - started < 0.1  # not a millisecond each
+
+
 # -- options -------------------------------------------------------------------------------
 def test_tls_options_from_the_url_and_keywords(tls_certs: TlsCerts) -> None:
     ca, cert, key = tls_certs.server.ca_cert, tls_certs.client_cert, tls_certs.client_key

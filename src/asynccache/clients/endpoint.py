@@ -224,7 +224,8 @@ def wait_ready(sock: socket.socket, events: int, timeout: float) -> bool:
         return True
     poller = select.poll()
     poller.register(sock, events | select.POLLERR | select.POLLHUP)
-    return bool(poller.poll(timeout * 1000 + 1))
+    # a millisecond more rounds the wait up past the deadline; a check (0) does not wait
+    return bool(poller.poll(timeout * 1000 + 1 if timeout > 0 else 0))
 
 
 def readable_while_idle(sock: socket.socket) -> bool:
