@@ -116,19 +116,25 @@ def test_same_url_with_two_passwords_keeps_both(password_redis: servers.RedisSer
 
 
 # -- other processes ------------------------------------------------------------------------
-def test_spawn_workers_find_the_password(password_redis: servers.RedisServer,
-                                         tmp_path: Path) -> None:
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_dataloader_workers_find_the_password(password_redis: servers.RedisServer,
+                                              tmp_path: Path, method: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """spawn: fresh interpreters, found through the exported variable; fork: inherited
+    vault (the variable is removed first, so nothing else could provide it)."""
     client = ac.connect(password_redis.url, timeout=10)
-    fingerprint = client._credential.fingerprint
-    assert os.environ[CREDENTIALS_ENV_PREFIX + fingerprint] == SERVER_PASSWORD
+    variable = CREDENTIALS_ENV_PREFIX + client._credential.fingerprint
+    assert os.environ[variable] == SERVER_PASSWORD
+    if method == "fork":
+        monkeypatch.delenv(variable)
     log = tmp_path / "computed"
-    dp = ac.AsyncKVCacheMapDataPipe(Source(64, str(log)), client, namespace="cred-spawn",
-                                    prefetch=16)
+    dp = ac.AsyncKVCacheMapDataPipe(Source(64, str(log)), client,
+                                    namespace=f"cred-dl-{method}", prefetch=16)
     try:
         dp.__getitems__(list(range(64)))
         dp.flush()
-        log.unlink()
-        loader = DataLoader(dp, batch_size=8, num_workers=2, multiprocessing_context="spawn",
+        log.unlink()  # the parent computed and cached every item
+        loader = DataLoader(dp, batch_size=8, num_workers=2, multiprocessing_context=method,
                             collate_fn=list)
         seen = sorted(item[1] for batch in loader for item in batch)
     finally:

@@ -149,14 +149,11 @@ def _tls(enabled: bool, opts: dict[str, Any], url: str) -> TlsSettings | None:
     for option, attr in _TLS_FILES.items():
         if given.get(option) is not None:
             files[attr] = os.fspath(given[option])
-    return _checked(TlsSettings(
+    tls = TlsSettings(
         **files,
         cert_reqs=str(given.get("ssl_cert_reqs", "required")).lower(),
         check_hostname=_flag("ssl_check_hostname", given.get("ssl_check_hostname", True), url),
-    ))
-
-
-def _checked(tls: TlsSettings) -> TlsSettings:
+    )
     tls.check()
     return tls
 

@@ -34,7 +34,6 @@ from ..errors import ConfigError, StoreError, StoreTimeout, StoreUnavailable
 from ..protocol.resp import setup_commands
 
 __all__ = [
-    "CERT_REQS",
     "RedisEndpoint",
     "TlsSettings",
     "close_transport",
@@ -46,8 +45,8 @@ __all__ = [
     "wait_ready",
 ]
 
-CERT_REQS = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL,
-             "none": ssl.CERT_NONE}
+_CERT_REQS = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL,
+              "none": ssl.CERT_NONE}
 #: OpenSSL's verify codes for a certificate that does not name the host (DNS name / IP).
 _NAME_MISMATCH = (62, 64)
 
@@ -65,7 +64,7 @@ class TlsSettings:
     check_hostname: bool = True
 
     def __post_init__(self) -> None:
-        if self.cert_reqs not in CERT_REQS:
+        if self.cert_reqs not in _CERT_REQS:
             raise ConfigError(f"ssl_cert_reqs must be 'required', 'optional' or 'none', got "
                               f"{self.cert_reqs!r}")
         if self.keyfile is not None and self.certfile is None:
@@ -113,7 +112,7 @@ def _context(tls: TlsSettings) -> ssl.SSLContext:
     except (OSError, ssl.SSLError) as exc:
         raise ConfigError(f"ssl_ca_certs={tls.ca_certs!r} cannot be loaded as PEM CA "
                           f"certificates: {exc}") from exc
-    reqs = CERT_REQS[tls.cert_reqs]
+    reqs = _CERT_REQS[tls.cert_reqs]
     context.check_hostname = False  # before verify_mode: CERT_NONE refuses it otherwise
     context.verify_mode = reqs
     context.check_hostname = tls.check_hostname and reqs != ssl.CERT_NONE

@@ -28,6 +28,8 @@ duplicate keys, and raised one exception for a whole batch. Here:
   allocating it.
 * **Consumer-side reads**: :meth:`MemcachedClient.consumer_reads` gives read-ahead one
   blocking connection per server on the consumer thread's own sockets, like Redis.
+* **TLS** (memcached built with TLS, ``-Z``): every connection, asyncio or blocking, uses
+  the client's :class:`~asynccache.clients.endpoint.TlsSettings` (``?tls=true``).
 """
 
 from __future__ import annotations
