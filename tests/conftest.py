@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -100,3 +102,74 @@ async def client(store_url: str) -> AsyncIterator[ac.BaseClient]:
     yield c
     await c.close()
 
+
+
+# -- TLS ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TlsCerts:
+    """Certificates made by trustme for the TLS tests, as files in a temp dir."""
+
+    server: servers.TlsFiles  # 127.0.0.1 and localhost, client certificates not required
+    mutual: servers.TlsFiles  # the same, client certificates required
+    wrong_host: servers.TlsFiles  # a certificate for cache.invalid only, same CA
+    client_cert: str
+    client_key: str
+    untrusted_ca: str  # a CA that signed none of these
+
+
+@pytest.fixture(scope="session")
+def tls_certs(tmp_path_factory: pytest.TempPathFactory) -> TlsCerts:
+    import trustme  # the test extra's; an error, not a skip, when it is missing
+
+    root = tmp_path_factory.mktemp("tls")
+    ca, other = trustme.CA(), trustme.CA()
+
+    def write(name: str, blob: Any) -> str:
+        path = root / name
+        blob.write_to_path(str(path))
+        return str(path)
+
+    ca_path = write("ca.pem", ca.cert_pem)
+    server = ca.issue_cert("127.0.0.1", "localhost")
+    wrong = ca.issue_cert("cache.invalid")
+    client = ca.issue_cert("asynccache-client@example.invalid")
+    server_cert, server_key = write("server.pem", server.cert_chain_pems[0]), write(
+        "server.key", server.private_key_pem)
+    client_cert, client_key = write("client.pem", client.cert_chain_pems[0]), write(
+        "client.key", client.private_key_pem)
+    plain = servers.TlsFiles(ca_path, server_cert, server_key, client_cert, client_key)
+    return TlsCerts(
+        server=plain,
+        mutual=servers.TlsFiles(ca_path, server_cert, server_key, client_cert, client_key,
+                                require_client_cert=True),
+        wrong_host=servers.TlsFiles(ca_path, write("wrong.pem", wrong.cert_chain_pems[0]),
+                                    write("wrong.key", wrong.private_key_pem)),
+        client_cert=client_cert,
+        client_key=client_key,
+        untrusted_ca=write("untrusted-ca.pem", other.cert_pem),
+    )
+
+
+@pytest.fixture(scope="session")
+def tls_redis(tls_certs: TlsCerts) -> Iterator[servers.RedisServer]:
+    """A redis serving TLS only, verified against the test CA (no client certificate)."""
+    with servers.start_redis(prefer="redis", tls=tls_certs.server) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def tls_memcached(tls_certs: TlsCerts) -> Iterator[servers.MemcachedServer]:
+    with servers.start_memcached(tls=tls_certs.server) as server:
+        yield server
+
+
+# -- credentials ----------------------------------------------------------------------------
+#: a password with characters that URLs quote, so leak checks look for both spellings
+SERVER_PASSWORD = "s3cret/Pa55@asynccache%"
+
+
+@pytest.fixture(scope="session")
+def password_redis() -> Iterator[servers.RedisServer]:
+    """A redis whose default user needs SERVER_PASSWORD (``requirepass``)."""
+    with servers.start_redis(prefer="redis", password=SERVER_PASSWORD) as server:
+        yield server

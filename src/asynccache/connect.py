@@ -6,6 +6,7 @@ Accepted forms::
     rediss://...                                                   (TLS)
     unix://[user:password@]/path/to/redis.sock[?db=N&option=value]
     redis+cluster://[user:password@]host:port[,host:port...]
+    rediss+cluster://...                                           (TLS to every node)
     memcached://host[:port][,host[:port]...][?option=value]        (port 11211)
     memory://[name]
 
@@ -13,24 +14,76 @@ Options (query string or keyword, keywords win): ``timeout`` and ``connect_timeo
 (seconds), ``max_batch`` (keys per multi-get) and ``item_size`` (bytes: memcached's
 ``-I``, Redis' ``proto-max-bulk-len``; larger values are chunked).
 No network I/O happens here: connections open lazily on first use.
+
+TLS (Redis, Redis Cluster, memcached built with TLS, ``-Z``): ``rediss://`` and
+``rediss+cluster://`` turn it on, and so does ``tls=true`` on any TCP URL (memcached has
+no TLS scheme: ``memcached://h:p?tls=true``). The server's certificate is verified by
+default, against the system's CAs or ``ssl_ca_certs``, and must name the host connected
+to. Options, in the URL or as keywords::
+
+    ssl_ca_certs=/path/ca.pem           CA bundle to trust instead of the system's
+    ssl_certfile=/path/client.pem       client certificate (servers that require one)
+    ssl_keyfile=/path/client.key        its unencrypted private key
+    ssl_cert_reqs=required|optional|none  verify the server's certificate (default required)
+    ssl_check_hostname=true|false       the certificate must name the host (default true)
+
+Files are checked here: a missing, unreadable or non-PEM file is a ``ConfigError``
+naming the option, and so is a TLS option on a URL without TLS (it would silently
+connect in the clear). A server whose certificate does not verify is a store failure
+(``StoreUnavailable``, "TLS verification failed", naming ``ssl_ca_certs``): a counted
+miss in fallback mode, raised with ``on_error="raise"``.
+
+Credentials (Redis ACL users: ``redis://user:password@host``; ``requirepass``:
+``redis://:password@host``). The password never appears in ``repr()``, ``safe_url``,
+log records or error messages, and never in a pickle: clients pickle as configuration
+(that is how DataLoader workers get them, and how they end up in checkpoints), and the
+password is not part of it. It is kept in a vault of the process, under a fingerprint
+of the URL without secrets; the pickle carries only that fingerprint.
+
+* A forked child (DataLoader ``fork``) inherits the vault.
+* For ``spawn``/``forkserver`` children (fresh interpreters), the client exports the
+  password once, when it is created, as the environment variable
+  ``ASYNCCACHE_CREDENTIALS_<fingerprint>``, which children started afterwards inherit
+  and an unpickled client reads. (A forkserver started before the client was created
+  does not have it: create the client first, or use ``password_env``.)
+* ``password_env=NAME`` (keyword or ``?password_env=NAME``): the password is read from
+  your own environment variable ``NAME`` in every process that uses the client, and
+  nothing is exported. Use it when the environment of child processes must not carry
+  the password, and for clients loaded from a checkpoint in another job.
+
+A client unpickled where its password cannot be found raises ``ConfigError`` at first
+use, saying how to provide it. Redis ACL users need the commands asynccache sends:
+``MGET``, ``SET``, ``DEL``, ``PING`` (plus ``SELECT`` for a db other than 0, and
+``CLUSTER SLOTS`` and ``ASKING`` on a cluster) on the keys ``ac:<namespace>:*``, e.g.
+``ACL SETUSER reader on >pw ~ac:myset:* +mget +set +del +ping``.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from .clients import BaseClient, MemcachedClient, MemoryClient, RedisClient, RedisClusterClient
+from .clients.endpoint import TlsSettings
 from .errors import ConfigError, InvalidURL
 
 __all__ = ["connect"]
 
 ACCEPTED = (
     "redis://host:port/db, rediss://host:port/db, unix:///path/to/redis.sock, "
-    "redis+cluster://host:port,host:port, memcached://host:port[,host:port], memory://"
+    "redis+cluster://host:port,host:port, rediss+cluster://host:port,host:port, "
+    "memcached://host:port[,host:port], memory://"
 )
 _FLOAT_OPTIONS = {"timeout", "connect_timeout"}
 _INT_OPTIONS = {"max_batch", "item_size", "db"}
+_BOOL_OPTIONS = {"tls", "ssl_check_hostname"}
+_TLS_FILES = {"ssl_ca_certs": "ca_certs", "ssl_certfile": "certfile", "ssl_keyfile": "keyfile"}
+_TLS_OPTIONS = {*_TLS_FILES, "ssl_cert_reqs", "ssl_check_hostname"}
+_STR_OPTIONS = {*_TLS_FILES, "ssl_cert_reqs", "password_env"}
+_ALL_OPTIONS = _FLOAT_OPTIONS | _INT_OPTIONS | _BOOL_OPTIONS | _STR_OPTIONS
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
 
 
 def _mask(url: str) -> str:
@@ -49,16 +102,60 @@ def _options(query: str, url: str) -> dict[str, Any]:
                 options[name] = float(raw)
             elif name in _INT_OPTIONS:
                 options[name] = int(raw)
+            elif name in _BOOL_OPTIONS:
+                options[name] = _flag(name, raw, url)
+            elif name in _STR_OPTIONS:
+                options[name] = raw
             else:
                 raise InvalidURL(
                     f"unknown option {name!r} in {_mask(url)}; known options: "
-                    f"{', '.join(sorted(_FLOAT_OPTIONS | _INT_OPTIONS))}"
+                    f"{', '.join(sorted(_ALL_OPTIONS))}"
                 )
         except ValueError as exc:
             if isinstance(exc, InvalidURL):
                 raise
             raise InvalidURL(f"option {name}={raw!r} in {_mask(url)} is not a number") from exc
     return options
+
+
+def _flag(name: str, raw: Any, url: str) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in _TRUE | _FALSE:
+        return text in _TRUE
+    raise InvalidURL(f"option {name}={raw!r} for {_mask(url)} is not true or false")
+
+
+def _tls(enabled: bool, opts: dict[str, Any], url: str) -> TlsSettings | None:
+    """The TLS settings the URL and options ask for (their files checked), or None; the
+    TLS options are taken out of ``opts``."""
+    tls_flag = opts.pop("tls", None)
+    if tls_flag is not None:
+        tls_flag = _flag("tls", tls_flag, url)
+        if enabled and not tls_flag:
+            raise InvalidURL(f"{_mask(url)}: tls=false contradicts the TLS scheme")
+        enabled = tls_flag
+    given = {name: opts.pop(name) for name in _TLS_OPTIONS if name in opts}
+    if not enabled:
+        if given:
+            raise ConfigError(
+                f"{', '.join(sorted(given))} given for {_mask(url)}, which does not use TLS "
+                "(it would connect in the clear): use rediss:// or rediss+cluster://, or "
+                "add tls=true"
+            )
+        return None
+    files = {}
+    for option, attr in _TLS_FILES.items():
+        if given.get(option) is not None:
+            files[attr] = os.fspath(given[option])
+    tls = TlsSettings(
+        **files,
+        cert_reqs=str(given.get("ssl_cert_reqs", "required")).lower(),
+        check_hostname=_flag("ssl_check_hostname", given.get("ssl_check_hostname", True), url),
+    )
+    tls.check()
+    return tls
 
 
 def _host_port(item: str, default_port: int, url: str) -> tuple[str, int]:
@@ -94,8 +191,9 @@ def connect(url: str, **options: Any) -> BaseClient[Any]:
         return _connect(url, options)
     except TypeError as exc:  # an unknown keyword option
         raise ConfigError(
-            f"connect({_mask(url)!r}): {exc}; options are timeout, connect_timeout, "
-            "max_batch and item_size"
+            f"connect({_mask(url)!r}): {exc}; options are "
+            f"{', '.join(sorted(_ALL_OPTIONS - {'db'}))} (password_env and the ssl_* "
+            "options where the store has them)"
         ) from None
 
 
@@ -109,6 +207,7 @@ def _connect(url: str, options: dict[str, Any]) -> BaseClient[Any]:
     opts = {**_options(query, url), **options}
 
     if scheme in ("redis", "rediss"):
+        tls = _tls(scheme == "rediss", opts, url)
         user, password, hosts = _split_netloc(netloc)
         if "," in hosts:
             raise InvalidURL(
@@ -124,7 +223,7 @@ def _connect(url: str, options: dict[str, Any]) -> BaseClient[Any]:
                     f"bad database {path!r} in {_mask(url)}; the path is a db number, e.g. /0"
                 ) from None
         return RedisClient(host=host, port=port, db=db or 0, username=user, password=password,
-                           ssl=scheme == "rediss", **opts)
+                           tls=tls, **opts)
     if scheme == "unix":
         user, password, hosts = _split_netloc(netloc)
         if hosts:
@@ -133,18 +232,21 @@ def _connect(url: str, options: dict[str, Any]) -> BaseClient[Any]:
             raise InvalidURL(f"{_mask(url)}: missing socket path; write unix:///path/to.sock")
         db = opts.pop("db", 0)
         return RedisClient(unix_socket_path="/" + path, db=db, username=user, password=password,
-                           **opts)
-    if scheme == "redis+cluster":
+                           tls=_tls(False, opts, url), **opts)
+    if scheme in ("redis+cluster", "rediss+cluster"):
+        tls = _tls(scheme == "rediss+cluster", opts, url)
         user, password, hosts = _split_netloc(netloc)
         nodes = [_host_port(h, 6379, url) for h in hosts.split(",") if h.strip()]
         if not nodes:
             raise InvalidURL(f"{_mask(url)} names no cluster node; write redis+cluster://h:p,h:p")
-        return RedisClusterClient(nodes=nodes, username=user, password=password, **opts)
+        return RedisClusterClient(nodes=nodes, username=user, password=password, tls=tls,
+                                  **opts)
     if scheme == "memcached":
+        tls = _tls(False, opts, url)
         servers = [_host_port(h, 11211, url) for h in netloc.split(",") if h.strip()]
         if not servers:
             raise InvalidURL(f"{_mask(url)} names no server; write memcached://host:port")
-        return MemcachedClient(servers=servers, **opts)
+        return MemcachedClient(servers=servers, tls=tls, **opts)
     if scheme == "memory":
         return MemoryClient(name=netloc or "default", **opts)
     raise InvalidURL(f"unknown scheme {scheme!r} in {_mask(url)}; accepted forms: {ACCEPTED}")

@@ -11,6 +11,10 @@ Lifecycle rules, and why:
   works before, and independently of, the clients it helps test). The probe asks the
   server for its pid (``INFO server`` / memcached ``stats``): a foreign listener that
   grabbed our "free" port in the meantime is never mistaken for ours.
+- TLS (:class:`TlsFiles`): the server listens for TLS only (Redis ``--port 0
+  --tls-port``, memcached ``-Z``), and the probe speaks TLS with ``ssl`` on its raw
+  socket, trusting the test CA (and presenting the client certificate when the server
+  requires one). The certificates come from the caller (tests make them with trustme).
 - ``free_port()`` races with other processes. When a server exits because its port was
   taken, it is started again on a new port (three attempts) -- unless the caller asked
   for that port, or it already ran there (``restart()`` keeps the address).
@@ -28,6 +32,7 @@ import importlib.util
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -35,7 +40,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 from .errors import CacheError, ConfigError
 from .proxy import FaultProxy
@@ -50,6 +55,7 @@ __all__ = [
     "RedisServer",
     "ServerNotFound",
     "ServerStartError",
+    "TlsFiles",
     "find_memcached_binary",
     "find_redis_binary",
     "free_port",
@@ -194,18 +200,77 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# ------------------------------------------------------------------------------ TLS
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files for a TLS test server: its certificate chain and key, the CA clients
+    should trust (the readiness probe trusts it too), and a client certificate and key.
+
+    With *require_client_cert* the server refuses clients without a certificate signed
+    by *ca_cert* (Redis ``--tls-auth-clients yes``, memcached ``ssl_verify_mode=2``); the
+    probe and :attr:`~RedisServer.url` then present the client certificate.
+    """
+
+    ca_cert: str
+    cert_file: str
+    key_file: str
+    client_cert_file: str | None = None
+    client_key_file: str | None = None
+    require_client_cert: bool = False
+
+    def __post_init__(self) -> None:
+        if self.require_client_cert and self.client_cert_file is None:
+            raise ConfigError("require_client_cert needs client_cert_file (and its key) for "
+                              "the readiness probe and the server's URL")
+
+    def client_context(self) -> ssl.SSLContext:
+        """The readiness probe's context: it trusts the CA and presents the client
+        certificate when the server requires one. It does not check the name: the probe
+        identifies the server by its pid, and a test may serve a certificate for another
+        name on purpose."""
+        context = ssl.create_default_context(cafile=self.ca_cert)
+        context.check_hostname = False
+        if self.require_client_cert:
+            assert self.client_cert_file is not None
+            context.load_cert_chain(self.client_cert_file, self.client_key_file)
+        return context
+
+    def url_options(self) -> dict[str, str]:
+        """asynccache's URL options for a client of this server."""
+        options = {"ssl_ca_certs": self.ca_cert}
+        if self.require_client_cert:
+            assert self.client_cert_file is not None
+            options["ssl_certfile"] = self.client_cert_file
+            if self.client_key_file is not None:
+                options["ssl_keyfile"] = self.client_key_file
+        return options
+
+
+def _tls_query(files: TlsFiles | None, first: dict[str, str] | None = None) -> str:
+    """The URL's query string for a client of a server using ``files`` ("" without TLS)."""
+    if files is None:
+        return ""
+    return "?" + urlencode({**(first or {}), **files.url_options()}, safe="/")
+
+
 # ------------------------------------------------------------------------ raw protocol
 
 
 class _Resp:
     """Just enough RESP2 to probe and wire up servers without a client library."""
 
-    def __init__(self, address: str | tuple[str, int], timeout: float) -> None:
+    def __init__(self, address: str | tuple[str, int], timeout: float,
+                 tls: ssl.SSLContext | None = None) -> None:
         family = socket.AF_UNIX if isinstance(address, str) else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             self._sock.settimeout(timeout)
             self._sock.connect(address)
+            if tls is not None:
+                assert isinstance(address, tuple), "TLS is for TCP addresses"
+                self._sock = tls.wrap_socket(self._sock, server_hostname=address[0])
         except BaseException:
             self._sock.close()
             raise
@@ -470,8 +535,10 @@ class RedisServer(LocalServer):
     *idle_timeout* is redis' ``timeout`` (whole seconds): the server closes a client
     connection idle that long, which is how reconnect-after-idle is tested. A cluster
     node with *announce_port* tells clients (``CLUSTER SLOTS``/``SHARDS``, ``MOVED``) to
-    use that port, e.g. a proxy's, while its bus port stays direct. *extra_args* come
-    last, and redis takes the last value of a directive, so they win over all of these.
+    use that port, e.g. a proxy's, while its bus port stays direct. With *tls* it
+    serves TLS only, on its port (``--port 0 --tls-port``; a cluster node's bus and
+    announced ports are TLS too, ``--tls-cluster yes``). *extra_args* come last, and
+    redis takes the last value of a directive, so they win over all of these.
     """
 
     def __init__(
@@ -488,6 +555,7 @@ class RedisServer(LocalServer):
         password: str | None = None,
         cluster: bool = False,
         announce_port: int | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
         if binary is None:
             binary, self.kind = find_redis_binary(prefer)
@@ -499,6 +567,9 @@ class RedisServer(LocalServer):
             raise ConfigError("announce_port is a cluster setting: use cluster=True")
         if idle_timeout is not None and idle_timeout < 0:
             raise ConfigError(f"idle_timeout must be >= 0 seconds, not {idle_timeout}")
+        if tls is not None and unix_socket:
+            raise ConfigError("redis serves TLS on TCP ports only: use unix_socket=False")
+        self.tls = tls
         self.maxmemory = maxmemory
         self.maxmemory_policy = maxmemory_policy
         self.idle_timeout = idle_timeout
@@ -519,10 +590,13 @@ class RedisServer(LocalServer):
 
     @property
     def url(self) -> str:
+        """The URL to connect with; a TLS server's names the test CA (and the client
+        certificate when the server requires one) as URL options."""
         auth = "" if self.password is None else f":{quote(self.password, safe='')}@"
         if self.unix_socket is not None:
             return f"unix://{auth}{self.unix_socket}"
-        return f"redis://{auth}{self.host}:{self.port}/0"
+        scheme = "redis" if self.tls is None else "rediss"
+        return f"{scheme}://{auth}{self.host}:{self.port}/0{_tls_query(self.tls)}"
 
     def address(self) -> str | tuple[str, int]:
         """What ``socket.connect`` takes: the socket path or ``(host, port)``."""
@@ -533,15 +607,17 @@ class RedisServer(LocalServer):
 
     def call(self, *args: str | int | bytes, timeout: float = 10.0) -> Any:
         """Run one command over a fresh raw connection (setup helpers, no pooling)."""
-        with _Resp(self.address(), timeout) as conn:
+        tls = None if self.tls is None else self.tls.client_context()
+        with _Resp(self.address(), timeout, tls) as conn:
             if self.password is not None:
                 conn.call("AUTH", self.password)
             return conn.call(*args)
 
     def _command(self) -> list[str]:
+        tcp_port = 0 if self.unix_socket or self.tls else self.port
         args = [
             self.binary,
-            "--port", str(0 if self.unix_socket else self.port),
+            "--port", str(tcp_port),
             "--bind", self.host,
             "--protected-mode", "no",  # only because it listens on loopback / a private dir
             "--save", "",
@@ -552,6 +628,16 @@ class RedisServer(LocalServer):
         ]  # fmt: skip
         if self.unix_socket is not None:
             args += ["--unixsocket", self.unix_socket, "--unixsocketperm", "700"]
+        if self.tls is not None:
+            args += [
+                "--tls-port", str(self.port),
+                "--tls-cert-file", self.tls.cert_file,
+                "--tls-key-file", self.tls.key_file,
+                "--tls-ca-cert-file", self.tls.ca_cert,
+                "--tls-auth-clients", "yes" if self.tls.require_client_cert else "no",
+            ]  # fmt: skip
+            if self.cluster:
+                args += ["--tls-cluster", "yes"]
         if self.password is not None:
             args += ["--requirepass", self.password]
         # Always passed: redis' own default is noeviction, even when maxmemory is set later.
@@ -597,6 +683,7 @@ class MemcachedServer(LocalServer):
     *item_size* is ``-I`` (largest value, e.g. "8m"; memcached's default is 1m).
     *no_evict* is ``-M``: when memory is full, a set gets ``SERVER_ERROR out of memory``
     instead of evicting, so a test can fill the store and see the error.
+    With *tls* it serves TLS only (``-Z``; memcached must be built with TLS).
     """
 
     kind = "memcached"
@@ -611,7 +698,9 @@ class MemcachedServer(LocalServer):
         threads: int = 2,
         no_evict: bool = False,
         extra_args: Sequence[str] = (),
+        tls: TlsFiles | None = None,
     ) -> None:
+        self.tls = tls
         self.memory_mb = memory_mb
         self.item_size = item_size
         self.threads = threads
@@ -621,7 +710,7 @@ class MemcachedServer(LocalServer):
 
     @property
     def url(self) -> str:
-        return f"memcached://{self.host}:{self.port}"
+        return f"memcached://{self.host}:{self.port}{_tls_query(self.tls, {'tls': 'true'})}"
 
     def _launch(self, timeout: float) -> None:
         assert self.port is not None
@@ -641,6 +730,11 @@ class MemcachedServer(LocalServer):
             args += ["--max-item-size", self.item_size]
         if self.no_evict:
             args.append("--disable-evictions")
+        if self.tls is not None:
+            verify = 2 if self.tls.require_client_cert else 0  # 2: require a peer cert
+            args += ["-Z", "-o", f"ssl_chain_cert={self.tls.cert_file},"
+                     f"ssl_key={self.tls.key_file},ssl_ca_cert={self.tls.ca_cert},"
+                     f"ssl_verify_mode={verify}"]
         if os.geteuid() == 0:
             args += ["--user", "root"]  # memcached refuses to run as root without -u
         return args + self.extra_args
@@ -648,7 +742,7 @@ class MemcachedServer(LocalServer):
     def _probe(self, pid: int, timeout: float) -> bool:
         assert self.port is not None
         try:
-            with socket.create_connection((self.host, self.port), timeout) as sock:
+            with self._connect_probe(timeout) as sock:
                 sock.sendall(b"stats\r\n")
                 reply = b""
                 while not reply.endswith(b"END\r\n"):
@@ -656,9 +750,20 @@ class MemcachedServer(LocalServer):
                     if not chunk:
                         return False
                     reply += chunk
-        except OSError:
+        except OSError:  # ssl.SSLError included
             return False
         return self._accept_stats(reply, pid)
+
+    def _connect_probe(self, timeout: float) -> socket.socket:
+        assert self.port is not None
+        sock = socket.create_connection((self.host, self.port), timeout)
+        if self.tls is None:
+            return sock
+        try:
+            return self.tls.client_context().wrap_socket(sock, server_hostname=self.host)
+        except BaseException:
+            sock.close()
+            raise
 
     def _accept_stats(self, reply: bytes, pid: int) -> bool:
         stats = {}
@@ -683,6 +788,7 @@ def start_redis(
     idle_timeout: int | None = None,
     extra_args: Sequence[str] = (),
     password: str | None = None,
+    tls: TlsFiles | None = None,
 ) -> RedisServer:
     """Start a private redis-server/valkey-server and return it once it answers.
 
@@ -698,6 +804,7 @@ def start_redis(
         idle_timeout=idle_timeout,
         extra_args=extra_args,
         password=password,
+        tls=tls,
     )
     return _started(server)
 
@@ -710,6 +817,7 @@ def start_memcached(
     threads: int = 2,
     no_evict: bool = False,
     extra_args: Sequence[str] = (),
+    tls: TlsFiles | None = None,
 ) -> MemcachedServer:
     """Start a private memcached; the options are :class:`MemcachedServer`'s."""
     server = MemcachedServer(
@@ -719,6 +827,7 @@ def start_memcached(
         threads=threads,
         no_evict=no_evict,
         extra_args=extra_args,
+        tls=tls,
     )
     return _started(server)
 
@@ -758,7 +867,10 @@ class RedisCluster:
     def url(self) -> str:
         """The nodes' addresses as clients should use them: the proxies' when proxied."""
         ends: Sequence[FaultProxy | RedisServer] = self.proxies or self.nodes
-        return "redis+cluster://" + ",".join(f"{end.host}:{end.port}" for end in ends)
+        tls = self.nodes[0].tls
+        scheme = "redis+cluster" if tls is None else "rediss+cluster"
+        hosts = ",".join(f"{end.host}:{end.port}" for end in ends)
+        return f"{scheme}://{hosts}{_tls_query(tls)}"
 
     @property
     def version(self) -> str:
@@ -855,6 +967,17 @@ def _slot_ranges(n: int) -> list[tuple[int, int]]:
     return [(bounds[i], bounds[i + 1] - 1) for i in range(n)]
 
 
+def _cli_tls(tls: TlsFiles | None) -> list[str]:
+    """redis-cli's options to reach servers using ``tls``."""
+    if tls is None:
+        return []
+    args = ["--tls", "--cacert", tls.ca_cert]
+    if tls.require_client_cert:
+        assert tls.client_cert_file is not None
+        args += ["--cert", tls.client_cert_file, "--key", tls.client_key_file or ""]
+    return args
+
+
 def _create_cluster(nodes: list[RedisServer], timeout: float) -> None:
     """With redis-cli when there is one (it needs >= 3 masters), else by hand.
 
@@ -865,7 +988,8 @@ def _create_cluster(nodes: list[RedisServer], timeout: float) -> None:
     cli = _find_cli(nodes[0].binary)
     if cli is not None and len(nodes) >= 3:
         addrs = [f"{n.host}:{port}" for n, port in zip(nodes, ports, strict=True)]
-        argv = [cli, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"]
+        argv = [cli, *_cli_tls(nodes[0].tls), "--cluster", "create", *addrs,
+                "--cluster-replicas", "0", "--cluster-yes"]
         try:
             done = subprocess.run(
                 argv, capture_output=True, text=True, timeout=timeout, check=False
@@ -890,19 +1014,21 @@ def _create_cluster(nodes: list[RedisServer], timeout: float) -> None:
 
 
 def start_redis_cluster(
-    n: int = 3, *, binary: str | None = None, through_proxies: bool = False
+    n: int = 3, *, binary: str | None = None, through_proxies: bool = False,
+    tls: TlsFiles | None = None,
 ) -> RedisCluster:
     """Start *n* cluster-enabled masters (0 replicas) and wait until the cluster is ok.
 
     With *through_proxies*, clients reach node i only through ``proxies[i]``, a
-    :class:`~asynccache.proxy.FaultProxy` (see :class:`RedisCluster`).
+    :class:`~asynccache.proxy.FaultProxy` (see :class:`RedisCluster`). With *tls* every
+    node serves TLS only, its cluster bus included.
     """
     if n < 1:
         raise ConfigError(f"a cluster needs at least one node, not {n}")
     nodes: list[RedisServer] = []
     try:
         for _ in range(n):
-            nodes.append(RedisServer(binary, cluster=True))
+            nodes.append(RedisServer(binary, cluster=True, tls=tls))
         cluster = RedisCluster(nodes, through_proxies=through_proxies)
     except BaseException:
         for node in nodes:

@@ -21,12 +21,21 @@ Two levels of operations:
   says are backing off, and mark keys they could not read as ``NOT_READ``. For a
   single-server store the defaults wrap the first level; a pool or a cluster overrides
   them so that one dead node costs only its own keys.
+
+Passwords never live on the client object: it holds a :class:`Credential`, which says
+where the password is (a process-local vault, keyed by a fingerprint of the URL without
+secrets, or an environment variable) and is all that a pickle carries. See
+:mod:`asynccache.connect` for how child processes find it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import itertools
 import os
+import re
+import threading
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
@@ -34,15 +43,17 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from .._fork import park_inherited
-from ..errors import StoreError, StoreTimeout
+from ..errors import ConfigError, StoreError, StoreTimeout
 
 __all__ = [
+    "CREDENTIALS_ENV_PREFIX",
     "DEFAULT_CONNECT_TIMEOUT",
     "DEFAULT_TIMEOUT",
     "NOT_READ",
     "BaseClient",
     "BlockingGetConnection",
     "ConsumerReads",
+    "Credential",
     "ReadResult",
     "WriteResult",
 ]
@@ -134,6 +145,92 @@ class ConsumerReads:
     route: Callable[[Sequence[bytes]], list[tuple[int, list[int]]]]
 
 
+# -- credentials: out of the client, its pickles and its reprs -------------------------------
+#: A client created with a password exports it once, as ``CREDENTIALS_ENV_PREFIX +
+#: fingerprint``, so that spawn/forkserver children (fresh interpreters, empty vault)
+#: find it when they unpickle the client.
+CREDENTIALS_ENV_PREFIX = "ASYNCCACHE_CREDENTIALS_"
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+#: fingerprint -> password, for this process (a forked child inherits it)
+_vault: dict[str, str] = {}
+_vault_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Credential:
+    """Where a client's password is, never the password: pickled with the client.
+
+    Either ``fingerprint`` (the password is in this process' vault, or in the variable
+    ``CREDENTIALS_ENV_PREFIX + fingerprint`` that the creating process exported) or
+    ``env`` (the user's own variable, ``password_env``; nothing is exported).
+    """
+
+    fingerprint: str | None = None
+    env: str | None = None
+
+    @classmethod
+    def keep(cls, where: str, password: str | None, password_env: str | None
+             ) -> Credential | None:
+        """Put ``password`` in the vault (and the environment) under a fingerprint of
+        ``where``, the URL without secrets; or check that ``password_env`` is set."""
+        if password_env is not None:
+            if password is not None:
+                raise ConfigError(f"{where}: give the password in the URL or through "
+                                  "password_env, not both")
+            if not _ENV_NAME.fullmatch(password_env):
+                raise ConfigError(f"password_env={password_env!r} is not an environment "
+                                  "variable name")
+            if password_env not in os.environ:
+                raise ConfigError(f"password_env={password_env}: that environment variable "
+                                  f"is not set (it holds the password for {where})")
+            return cls(env=password_env)
+        if password is None:
+            return None
+        base = hashlib.sha256(where.encode()).hexdigest()[:16]
+        with _vault_lock:
+            # another password for the same URL (say, a wrong one in a test) gets a slot
+            # of its own rather than replacing the first one's
+            for n in itertools.count():
+                fingerprint = base if n == 0 else f"{base}_{n}"
+                name = CREDENTIALS_ENV_PREFIX + fingerprint
+                held = _vault.get(fingerprint, os.environ.get(name))
+                if held is None or held == password:
+                    _vault[fingerprint] = password
+                    if os.environ.get(name) != password:
+                        os.environ[name] = password
+                    return cls(fingerprint=fingerprint)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def resolve(self, where: str) -> str:
+        """The password, in this process; ConfigError saying how to provide it when this
+        process cannot know it (a client unpickled from a checkpoint elsewhere)."""
+        if self.env is not None:
+            value = os.environ.get(self.env)
+            if value is None:
+                raise ConfigError(
+                    f"the password for {where} is read from the environment variable "
+                    f"{self.env} (password_env), which is not set in this process "
+                    f"(pid {os.getpid()}): set it wherever the client is used")
+            return value
+        assert self.fingerprint is not None
+        value = _vault.get(self.fingerprint)
+        if value is None:
+            name = CREDENTIALS_ENV_PREFIX + self.fingerprint
+            value = os.environ.get(name)
+            if value is None:
+                raise ConfigError(
+                    f"the password for {where} is not known in this process (pid "
+                    f"{os.getpid()}): a pickled client carries no password, and this "
+                    f"process did not inherit {name} from the one that created the client "
+                    "(e.g. it was loaded from a checkpoint, or started by a forkserver "
+                    "that was already running). Keep the password in an environment "
+                    "variable set in every process and pass password_env='THAT_VARIABLE' "
+                    f"to connect() (or ?password_env= in the URL), or set {name} here")
+            with _vault_lock:
+                _vault[self.fingerprint] = value
+        return value
+
+
 class BaseClient(ABC, Generic[StateT]):
     """Common configuration, lazy per-loop state, pickling and timeouts.
 
@@ -147,6 +244,13 @@ class BaseClient(ABC, Generic[StateT]):
     #: How much later than asked an expiry may happen (memcached counts whole seconds):
     #: a process waiting on another's lease waits this much longer before giving up.
     expiry_slack: ClassVar[float] = 0.0
+    #: Where the password is (no secret: pickled as it is); None for a store without one.
+    _credential: Credential | None = None
+
+    @property
+    def password(self) -> str | None:
+        """The password, looked up in this process (ConfigError when it cannot be)."""
+        return None if self._credential is None else self._credential.resolve(self.safe_url)
 
     def __init__(
         self,
@@ -290,6 +394,8 @@ class BaseClient(ABC, Generic[StateT]):
             values: list[Any] = list(await self.get_many(keys))
         except StoreError as exc:
             return ReadResult([NOT_READ] * len(keys), failures={node: exc})
+        except ConfigError:  # e.g. no password in this process: for the user to fix
+            raise
         except Exception as exc:  # a provider bug must not stop training either
             return ReadResult([NOT_READ] * len(keys), failures={node: _foreign(self, exc)})
         return ReadResult(values, answered=[node])
@@ -304,6 +410,8 @@ class BaseClient(ABC, Generic[StateT]):
             await self.set_many(entries, ttl)
         except StoreError as exc:
             return WriteResult(failures={node: exc}, failed_keys=len(entries))
+        except ConfigError:
+            raise
         except Exception as exc:
             return WriteResult(failures={node: _foreign(self, exc)}, failed_keys=len(entries))
         return WriteResult(written=len(entries), answered=[node])

@@ -1,4 +1,4 @@
-"""Pipelined ``MGET`` on a plain socket, driven by the consumer thread itself.
+"""Pipelined ``MGET`` on a plain or TLS socket, driven by the consumer thread itself.
 
 Why this exists next to the asyncio core: with read-ahead on the loop thread, the
 consumer (the training loop calling ``dp[i]``) and the loop thread take turns on the
@@ -21,6 +21,13 @@ Idle connections: before sending on a connection with nothing in flight, a reada
 socket (EOF: the server closed it, e.g. Redis ``timeout``) is replaced. If the first
 exchange after an idle period still finds the connection closed before any reply, the
 pending requests are sent once more on a fresh connection; neither costs an error.
+
+TLS: the socket is an ``ssl.SSLSocket`` in non-blocking mode (handshake within
+``connect_timeout``, :func:`~asynccache.clients.endpoint.open_stream`). A read or write
+that needs the other direction first raises ``SSLWantReadError``/``SSLWantWriteError``
+and is waited for like ``EAGAIN``; reads go on until the SSL object has nothing left
+(``recv`` returns one TLS record at a time), and every wait for readability asks the SSL
+object for buffered bytes before it polls the socket.
 """
 
 from __future__ import annotations
@@ -28,13 +35,14 @@ from __future__ import annotations
 import collections
 import select
 import socket
+import ssl
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from ..errors import StoreError, StoreTimeout, StoreUnavailable
 from ..protocol.resp import check_mget_reply, new_parser, pack_mget, setup_refused
-from .endpoint import RedisEndpoint
+from .endpoint import RedisEndpoint, closed_hint, readable_while_idle, wait_ready
 
 __all__ = ["BlockingRespConnection"]
 
@@ -55,7 +63,6 @@ class BlockingRespConnection:
         self.node = node if node is not None else endpoint.where
         self.sock: socket.socket | None = None
         self.parser = new_parser()
-        self._poller: Any = None
         #: requests sent and not answered yet: (deadline, packed request), oldest first
         self.pending: collections.deque[tuple[float, bytes]] = collections.deque()
         #: the pending requests were sent on a connection that had been idle and no reply
@@ -65,11 +72,7 @@ class BlockingRespConnection:
     # -- connection ---------------------------------------------------------------------
     def _connect(self) -> None:
         ep = self.endpoint
-        sock = ep.open_socket()
-        sock.setblocking(False)
-        self.sock, self.parser = sock, new_parser()
-        self._poller = select.poll()
-        self._poller.register(sock, _POLLIN)
+        self.sock, self.parser = ep.open_socket(), new_parser()
         deadline = time.monotonic() + ep.timeout
         try:
             for request in ep.setup_requests():
@@ -81,24 +84,16 @@ class BlockingRespConnection:
             self.close()
             raise
 
-    def _idle_and_closed(self) -> bool:
-        """True when an idle socket became readable: EOF, or bytes nobody asked for."""
-        try:
-            return bool(self._poller.poll(0))
-        except (OSError, ValueError):
-            return True
-
     def close(self) -> None:
         if self.sock is not None:
             self.sock.close()
         self.sock = None
-        self._poller = None
 
     # -- requests ---------------------------------------------------------------------
     def send_get(self, keys: Sequence[bytes]) -> None:
         """Queue one MGET; its reply comes back, in order, from :meth:`poll`/:meth:`receive`."""
         packed = pack_mget(keys)
-        if self.sock is not None and not self.pending and self._idle_and_closed():
+        if self.sock is not None and not self.pending and readable_while_idle(self.sock):
             self.close()  # the server closed it while idle: replace it quietly
         if self.sock is None:
             self._connect()
@@ -119,12 +114,16 @@ class BlockingRespConnection:
         while view:
             try:
                 sent = sock.send(view)
-            except BlockingIOError:
+            except (BlockingIOError, ssl.SSLWantWriteError):
                 self._wait(_POLLOUT, deadline, "take a request")
+                continue
+            except ssl.SSLWantReadError:  # TLS renegotiation: it must read first
+                self._wait(_POLLIN, deadline, "take a request")
                 continue
             except OSError as exc:
                 raise StoreUnavailable(
-                    f"redis connection to {self.endpoint.where} failed: {exc}") from exc
+                    f"redis connection to {self.endpoint.where} failed: {exc}"
+                    f"{closed_hint(self.endpoint.tls)}") from exc
             view = view[sent:]
 
     def _wait(self, events: int, deadline: float, what: str) -> None:
@@ -132,11 +131,8 @@ class BlockingRespConnection:
         sock = self.sock
         assert sock is not None
         remaining = deadline - time.monotonic()
-        if remaining > 0:
-            poller = select.poll()
-            poller.register(sock, events)
-            if poller.poll(remaining * 1000 + 1):
-                return
+        if remaining > 0 and wait_ready(sock, events, remaining):
+            return
         raise StoreTimeout(
             f"redis {self.endpoint.where} did not {what} within {self.endpoint.timeout:g}s; "
             "raise `timeout=` in connect() if the store is just slow")
@@ -167,15 +163,16 @@ class BlockingRespConnection:
         if not self.pending:
             raise StoreError("receive() with no request pending (asynccache bug)")
         try:
+            events = _POLLIN
             while True:
                 reply = self._parse()
                 if reply is not False:
                     return self._accept(reply)
                 try:
-                    self._wait(_POLLIN, self.pending[0][0], "answer")
+                    self._wait(events, self.pending[0][0], "answer")
                 except StoreTimeout:
                     raise self._timeout() from None
-                self._recv_available()
+                events = self._recv_available()
         except _Closed as exc:
             self._retry_or_fail(exc)
             return self.receive()
@@ -185,32 +182,37 @@ class BlockingRespConnection:
 
     def _read_reply(self, deadline: float) -> Any:
         """One reply of a setup command (before any MGET is pending)."""
+        events = _POLLIN
         while (reply := self._parse()) is False:
-            self._wait(_POLLIN, deadline, "answer")
+            self._wait(events, deadline, "answer")
             try:
-                self._recv_available()
+                events = self._recv_available()
             except _Closed as exc:
                 raise StoreUnavailable(f"redis {self.endpoint.where} closed the connection "
-                                       "during setup") from exc
+                                       f"during setup{closed_hint(self.endpoint.tls)}") from exc
         return reply
 
-    def _recv_available(self) -> None:
-        """Feed the parser everything the kernel holds for us (never blocks)."""
+    def _recv_available(self) -> int:
+        """Feed the parser everything the kernel (and the SSL object) holds for us, never
+        blocking; the poll events to wait for before more can arrive."""
         sock, parser = self.sock, self.parser
         if sock is None:
             raise _Closed("connection is closed")
+        tls = isinstance(sock, ssl.SSLSocket)
         while True:
             try:
                 data = sock.recv(_RECV_SIZE)
-            except BlockingIOError:
-                return
-            except OSError as exc:  # ECONNRESET and friends
+            except (BlockingIOError, ssl.SSLWantReadError):
+                return _POLLIN
+            except ssl.SSLWantWriteError:  # TLS must send (a key update) before it reads
+                return _POLLOUT
+            except OSError as exc:  # ECONNRESET, a TLS alert, and friends
                 raise _Closed(str(exc)) from exc
             if not data:
                 raise _Closed("closed by the server")
             parser.feed(data)
-            if len(data) < _RECV_SIZE:
-                return
+            if len(data) < _RECV_SIZE and not tls:  # TLS: one record per recv, go on
+                return _POLLIN
 
     def _parse(self) -> Any:
         try:
@@ -230,7 +232,8 @@ class BlockingRespConnection:
         if not self._may_retry:
             self._fail()
             raise StoreUnavailable(
-                f"redis connection to {self.endpoint.where} failed: {exc}") from exc
+                f"redis connection to {self.endpoint.where} failed: {exc}"
+                f"{closed_hint(self.endpoint.tls)}") from exc
         self._may_retry = False
         requests = list(self.pending)
         self.close()

@@ -1,8 +1,9 @@
-"""Pipelined memcached multi-gets on a plain socket, driven by the consumer thread itself.
+"""Pipelined memcached multi-gets on a plain or TLS socket, driven by the consumer thread itself.
 
 The memcached counterpart of :mod:`asynccache.clients.blocking` (read it for why
 read-ahead runs on the consumer's own socket rather than through the loop thread), with
-the same rules:
+the same rules (TLS included: non-blocking ``SSLSocket``, ``SSLWantReadError`` /
+``SSLWantWriteError`` waited for like ``EAGAIN``, buffered bytes looked for before polling):
 
 * **Deadlines, end to end**: every request gets ``deadline = sent + timeout``; the socket
   is non-blocking and waits go through ``poll()`` with the time left until the *oldest*
@@ -29,6 +30,7 @@ import collections
 import itertools
 import select
 import socket
+import ssl
 import time
 from collections.abc import Sequence
 
@@ -42,6 +44,7 @@ from ..protocol.memcache import (
     unexpected_reply,
 )
 from .base import chunked
+from .endpoint import TlsSettings, closed_hint, open_stream, readable_while_idle, wait_ready
 
 __all__ = ["BlockingMemcachedConnection"]
 
@@ -89,17 +92,17 @@ class BlockingMemcachedConnection:
     """One socket to one memcached server, many multi-gets in flight, replies in order."""
 
     def __init__(self, host: str, port: int, *, timeout: float, connect_timeout: float,
-                 max_value: int, max_batch: int = 128) -> None:
+                 max_value: int, max_batch: int = 128, tls: TlsSettings | None = None) -> None:
         self.host = host
         self.port = port
         self.node = f"{host}:{port}"
+        self.tls = tls
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.max_value = max_value
         self.max_batch = max_batch
         self.sock: socket.socket | None = None
         self.parser = ReplyParser(max_value)
-        self._poller: select.poll | None = None
         #: requests sent and not answered yet, oldest first
         self.pending: collections.deque[_Get] = collections.deque()
         #: the pending requests were sent on a connection that had been idle and no reply
@@ -108,33 +111,20 @@ class BlockingMemcachedConnection:
 
     # -- connection ---------------------------------------------------------------------
     def _connect(self) -> None:
-        try:
-            sock = socket.create_connection((self.host, self.port), self.connect_timeout)
-        except TimeoutError as exc:
-            raise StoreTimeout(f"connecting to memcached {self.node} took over "
-                               f"{self.connect_timeout:g}s") from exc
-        except OSError as exc:
-            raise StoreUnavailable(f"cannot connect to memcached {self.node}: {exc}") from exc
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setblocking(False)
+        sock = open_stream(self.host, self.port, tls=self.tls,
+                           connect_timeout=self.connect_timeout, kind="memcached",
+                           where=self.node)
         self.sock, self.parser = sock, ReplyParser(self.max_value)
-        self._poller = select.poll()
-        self._poller.register(sock, _POLLIN)
 
     def _idle_and_closed(self) -> bool:
         """True when an idle connection became readable (EOF, or bytes nobody asked for)."""
-        if self.parser.buffered:
-            return True
-        try:
-            return bool(self._poller.poll(0))  # type: ignore[union-attr]
-        except (OSError, ValueError):
-            return True
+        assert self.sock is not None
+        return bool(self.parser.buffered) or readable_while_idle(self.sock)
 
     def close(self) -> None:
         if self.sock is not None:
             self.sock.close()
         self.sock = None
-        self._poller = None
 
     # -- requests ---------------------------------------------------------------------
     def send_get(self, keys: Sequence[bytes]) -> None:
@@ -167,12 +157,16 @@ class BlockingMemcachedConnection:
         while view:
             try:
                 sent = sock.send(view)
-            except BlockingIOError:
+            except (BlockingIOError, ssl.SSLWantWriteError):
                 self._wait(_POLLOUT, deadline, "take a request")
+                continue
+            except ssl.SSLWantReadError:  # TLS renegotiation: it must read first
+                self._wait(_POLLIN, deadline, "take a request")
                 continue
             except OSError as exc:
                 raise StoreUnavailable(
-                    f"memcached connection to {self.node} failed: {exc}") from exc
+                    f"memcached connection to {self.node} failed: {exc}"
+                    f"{closed_hint(self.tls)}") from exc
             view = view[sent:]
 
     def _wait(self, events: int, deadline: float, what: str) -> None:
@@ -180,11 +174,8 @@ class BlockingMemcachedConnection:
         sock = self.sock
         assert sock is not None
         remaining = deadline - time.monotonic()
-        if remaining > 0:
-            poller = select.poll()
-            poller.register(sock, events)
-            if poller.poll(remaining * 1000 + 1):
-                return
+        if remaining > 0 and wait_ready(sock, events, remaining):
+            return
         raise StoreTimeout(
             f"memcached {self.node} did not {what} within {self.timeout:g}s; "
             "raise `timeout=` in connect() if the store is just slow")
@@ -214,15 +205,16 @@ class BlockingMemcachedConnection:
         if not self.pending:
             raise StoreError("receive() with no request pending (asynccache bug)")
         try:
+            events = _POLLIN
             while True:
                 values = self._parse()
                 if values is not None:
                     return self._accept(values)
                 try:
-                    self._wait(_POLLIN, self.pending[0].deadline, "answer")
+                    self._wait(events, self.pending[0].deadline, "answer")
                 except StoreTimeout:
                     raise self._timeout() from None
-                self._recv_available()
+                events = self._recv_available()
         except _Closed as exc:
             self._retry_or_fail(exc)
             return self.receive()
@@ -230,8 +222,9 @@ class BlockingMemcachedConnection:
             self._fail()
             raise
 
-    def _recv_available(self) -> None:
-        """Feed the parser everything the kernel holds for us (never blocks).
+    def _recv_available(self) -> int:
+        """Feed the parser everything the kernel (and the SSL object) holds for us, never
+        blocking; the poll events to wait for before more can arrive.
 
         An end of stream after some bytes is left for the next call: the replies that
         did arrive are parsed first.
@@ -239,22 +232,25 @@ class BlockingMemcachedConnection:
         sock, parser = self.sock, self.parser
         if sock is None:
             raise _Closed("connection is closed")
+        tls = isinstance(sock, ssl.SSLSocket)
         fed = False
         while True:
             try:
                 data = sock.recv(_RECV_SIZE)
-            except BlockingIOError:
-                return
-            except OSError as exc:  # ECONNRESET and friends
+            except (BlockingIOError, ssl.SSLWantReadError):
+                return _POLLIN
+            except ssl.SSLWantWriteError:  # TLS must send (a key update) before it reads
+                return _POLLOUT
+            except OSError as exc:  # ECONNRESET, a TLS alert, and friends
                 raise _Closed(str(exc)) from exc
             if not data:
                 if fed:
-                    return
+                    return _POLLIN
                 raise _Closed("closed by the server")
             parser.feed(data)
             fed = True
-            if len(data) < _RECV_SIZE:
-                return
+            if len(data) < _RECV_SIZE and not tls:  # TLS: one record per recv, go on
+                return _POLLIN
 
     def _parse(self) -> list[bytes | None] | None:
         """The oldest request's values if all its ``get`` lines were answered, else None."""
@@ -282,7 +278,8 @@ class BlockingMemcachedConnection:
         if not self._may_retry:
             self._fail()
             raise StoreUnavailable(
-                f"memcached connection to {self.node} failed: {exc}") from exc
+                f"memcached connection to {self.node} failed: {exc}"
+                f"{closed_hint(self.tls)}") from exc
         self._may_retry = False
         self.close()
         try:

@@ -48,14 +48,15 @@ from ..protocol.resp import (
     check_mget_reply,
     explain_rejection,
     is_error,
+    no_permission,
     pack_command,
     pack_delete,
     pack_mget,
     pack_set,
     pack_set_if_absent,
 )
-from .base import NOT_READ, BaseClient, ReadResult, WriteResult, chunked
-from .endpoint import RedisEndpoint
+from .base import NOT_READ, BaseClient, Credential, ReadResult, WriteResult, chunked
+from .endpoint import RedisEndpoint, TlsSettings, connect_failure, ssl_error_in
 from .resp import Request, RespConnection
 
 __all__ = ["RedisClusterClient"]
@@ -68,7 +69,7 @@ _ASKING = pack_command(b"ASKING")
 #: ``CLUSTER SLOTS``.
 REFRESH_INTERVAL = 1.0
 #: Error replies that mean "this node cannot serve these keys now", not "this value".
-_UNAVAILABLE = ("CLUSTERDOWN", "LOADING", "BUSY", "MASTERDOWN", "NOAUTH", "NOPERM")
+_UNAVAILABLE = ("CLUSTERDOWN", "LOADING", "BUSY", "MASTERDOWN", "NOAUTH")
 
 
 @dataclass(slots=True)
@@ -127,6 +128,8 @@ def _node_error(reply: Any, node: str) -> StoreError | None:
         # a multi-key command on a slot half migrated: transient, no back-off
         return StoreError(f"redis cluster node {node} answered {text}: its slot is being "
                           "migrated and those keys are split between two nodes for now")
+    if text.startswith("NOPERM"):
+        return StoreUnavailable(no_permission(text, f"cluster node {node}"))
     if text.startswith(_UNAVAILABLE):
         hint = ""
         if text.startswith("CLUSTERDOWN"):
@@ -336,15 +339,23 @@ class RedisClusterClient(BaseClient[_ClusterState]):
         nodes: Sequence[tuple[str, int]],
         username: str | None = None,
         password: str | None = None,
+        password_env: str | None = None,
         ssl: bool = False,
+        tls: TlsSettings | None = None,
         **options: Any,
     ) -> None:
+        """Credentials and TLS as for :class:`~asynccache.clients.redis.RedisClient`; the
+        slot map (redis-py) and the data connections use the same settings."""
         options.setdefault("max_batch", 512)
         super().__init__(**options)
         self.nodes = [(str(h), int(p)) for h, p in nodes]
         self.username = username
-        self.password = password
-        self.ssl = ssl
+        self.tls = tls if tls is not None or not ssl else TlsSettings()
+        self._credential = Credential.keep(self.safe_url, password, password_env)
+
+    @property
+    def ssl(self) -> bool:
+        return self.tls is not None
 
     def _init_runtime(self) -> None:
         super()._init_runtime()
@@ -358,9 +369,10 @@ class RedisClusterClient(BaseClient[_ClusterState]):
 
     @property
     def safe_url(self) -> str:
-        auth = f"{self.username or ''}:***@" if self.password else ""
+        auth = f"{self.username or ''}:***@" if self._credential else ""
         hosts = ",".join(f"{h}:{p}" for h, p in self.nodes)
-        return f"redis+cluster://{auth}{hosts}"
+        scheme = "rediss+cluster" if self.tls else "redis+cluster"
+        return f"{scheme}://{auth}{hosts}"
 
     @property
     def node_names(self) -> tuple[str, ...]:
@@ -377,9 +389,9 @@ class RedisClusterClient(BaseClient[_ClusterState]):
             require_full_coverage=False,
             username=self.username,
             password=self.password,
-            ssl=self.ssl,
             socket_timeout=self.timeout,
             socket_connect_timeout=self.connect_timeout,
+            **(self.tls.redis_py_options() if self.tls else {}),
         )
         return _ClusterState(topology)
 
@@ -397,7 +409,7 @@ class RedisClusterClient(BaseClient[_ClusterState]):
             host=host, port=port, unix_socket_path=None, username=self.username,
             password=self.password, db=0, timeout=self.timeout,
             connect_timeout=self.connect_timeout, where=f"cluster node {host}:{port}",
-            tls=self.ssl)
+            tls=self.tls)
 
     def _connection(self, state: _ClusterState, target: _Target) -> RespConnection:
         """The node's connection. Every primary of the map has one; a redirection may
@@ -433,6 +445,10 @@ class RedisClusterClient(BaseClient[_ClusterState]):
                                f"within {budget:g}s") from exc
         except (rexc.RedisError, rexc.RedisClusterException, OSError) as exc:
             # RedisClusterException ("cannot be connected") is not a RedisError
+            tls_error = ssl_error_in(exc)
+            if tls_error is not None:  # say what TLS refused, not only "cannot connect"
+                raise connect_failure("redis cluster", self.safe_url, tls_error, self.tls,
+                                      self.connect_timeout) from exc
             raise StoreUnavailable(f"cannot read the slot map of redis cluster "
                                    f"{self.safe_url}: {exc}") from exc
         state.ready = True

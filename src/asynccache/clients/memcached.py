@@ -28,6 +28,8 @@ duplicate keys, and raised one exception for a whole batch. Here:
   allocating it.
 * **Consumer-side reads**: :meth:`MemcachedClient.consumer_reads` gives read-ahead one
   blocking connection per server on the consumer thread's own sockets, like Redis.
+* **TLS** (memcached built with TLS, ``-Z``): every connection, asyncio or blocking, uses
+  the client's :class:`~asynccache.clients.endpoint.TlsSettings` (``?tls=true``).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from collections.abc import Awaitable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..errors import StoreError, StoreRejected, StoreTimeout, StoreUnavailable
+from ..errors import StoreError, StoreRejected, StoreUnavailable
 from ..protocol.memcache import (
     STORED,
     VERSION,
@@ -71,6 +73,7 @@ from .base import (
     chunked,
 )
 from .blocking_memcached import BlockingMemcachedConnection
+from .endpoint import TlsSettings, close_transport, connect_failure
 
 __all__ = ["MemcachedClient", "MemcachedConnection", "rendezvous_owner", "safe_memcached_key"]
 
@@ -132,17 +135,18 @@ class _Protocol(asyncio.Protocol):
             if not fut.done():
                 fut.set_exception(error)
         if self.transport is not None:
-            self.transport.close()
+            close_transport(self.transport)
 
 
 class MemcachedConnection:
     """One pipelined connection to one memcached server, opened lazily, in one loop."""
 
     def __init__(self, host: str, port: int, *, timeout: float, connect_timeout: float,
-                 max_value: int) -> None:
+                 max_value: int, tls: TlsSettings | None = None) -> None:
         self.host = host
         self.port = port
         self.where = f"{host}:{port}"
+        self.tls = tls
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.max_value = max_value
@@ -164,15 +168,15 @@ class MemcachedConnection:
     async def _connect(self) -> _Protocol:
         loop = asyncio.get_running_loop()
         proto = _Protocol(self.where, self.max_value)
+        tls = self.tls
         try:
-            await asyncio.wait_for(
-                loop.create_connection(lambda: proto, self.host, self.port),
-                self.connect_timeout)
-        except asyncio.TimeoutError as exc:
-            raise StoreTimeout(f"connecting to memcached {self.where} took over "
-                               f"{self.connect_timeout:g}s") from exc
-        except OSError as exc:
-            raise StoreUnavailable(f"cannot connect to memcached {self.where}: {exc}") from exc
+            await asyncio.wait_for(loop.create_connection(
+                lambda: proto, self.host, self.port,
+                ssl=None if tls is None else tls.context(),
+                server_hostname=None if tls is None else self.host), self.connect_timeout)
+        except (asyncio.TimeoutError, OSError) as exc:  # ssl.SSLError is an OSError
+            raise connect_failure("memcached", self.where, exc, tls,
+                                  self.connect_timeout) from exc
         self._proto = proto
         return proto
 
@@ -219,7 +223,7 @@ class MemcachedConnection:
 
     def close(self) -> None:
         if self._proto is not None and self._proto.transport is not None:
-            self._proto.transport.close()
+            close_transport(self._proto.transport)
         self._proto = None
 
 
@@ -250,20 +254,23 @@ class MemcachedClient(BaseClient[_MemcachedState]):
         *,
         servers: Sequence[tuple[str, int]] = (("127.0.0.1", 11211),),
         item_size: int = 1024 * 1024,
+        tls: TlsSettings | None = None,
         **options: Any,
     ) -> None:
+        """``tls``: TLS to every server (memcached's ``-Z``), the same settings for all."""
         options.setdefault("max_batch", 128)
         super().__init__(**options)
         if not servers:
             raise ValueError("MemcachedClient needs at least one server")
         self.servers = [(str(h), int(p)) for h, p in servers]
+        self.tls = tls
         self.item_size = int(item_size)
         self.max_value_size = self.item_size - _ITEM_OVERHEAD
         self._node_names = tuple(f"{h}:{p}" for h, p in self.servers)
 
     @property
     def safe_url(self) -> str:
-        return "memcached://" + ",".join(self._node_names)
+        return "memcached://" + ",".join(self._node_names) + ("?tls=true" if self.tls else "")
 
     @property
     def node_names(self) -> tuple[str, ...]:
@@ -277,7 +284,7 @@ class MemcachedClient(BaseClient[_MemcachedState]):
     def _connection(self, host: str, port: int) -> MemcachedConnection:
         return MemcachedConnection(host, port, timeout=self.timeout,
                                    connect_timeout=self.connect_timeout,
-                                   max_value=2 * self.item_size)
+                                   max_value=2 * self.item_size, tls=self.tls)
 
     async def _close_state(self, state: _MemcachedState) -> None:
         for node in state.nodes:
@@ -293,7 +300,8 @@ class MemcachedClient(BaseClient[_MemcachedState]):
         connections: list[BlockingGetConnection] = [
             BlockingMemcachedConnection(host, port, timeout=self.timeout,
                                         connect_timeout=self.connect_timeout,
-                                        max_value=2 * self.item_size, max_batch=self.max_batch)
+                                        max_value=2 * self.item_size, max_batch=self.max_batch,
+                                        tls=self.tls)
             for host, port in self.servers]
         return ConsumerReads(connections, self._route)
 

@@ -11,7 +11,7 @@ refuses (out of memory with a noeviction policy, over ``proto-max-bulk-len``) fa
 alone, as a ``StoreRejected`` naming the limit, while the others are written.
 
 The consumer-side read path (:meth:`RedisClient.consumer_reads`) uses the same endpoint
-settings on a blocking socket of the consumer thread's own.
+settings (TLS included) on a blocking socket of the consumer thread's own.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import StoreError, StoreRejected
+from ..errors import ConfigError, StoreError, StoreRejected
 from ..protocol.resp import (
     PING,
     explain_rejection,
@@ -29,9 +29,9 @@ from ..protocol.resp import (
     pack_set,
     pack_set_if_absent,
 )
-from .base import BaseClient, ConsumerReads, WriteResult, chunked
+from .base import BaseClient, ConsumerReads, Credential, WriteResult, chunked
 from .blocking import BlockingRespConnection
-from .endpoint import RedisEndpoint
+from .endpoint import RedisEndpoint, TlsSettings
 from .resp import RespConnection
 
 __all__ = ["RedisClient"]
@@ -60,29 +60,39 @@ class RedisClient(BaseClient[_RedisState]):
         db: int = 0,
         username: str | None = None,
         password: str | None = None,
+        password_env: str | None = None,
         unix_socket_path: str | None = None,
         ssl: bool = False,
-        ssl_options: Mapping[str, Any] | None = None,
+        tls: TlsSettings | None = None,
         item_size: int = 512 * 1024 * 1024,
         **options: Any,
     ) -> None:
+        """``password_env`` names an environment variable holding the password (read in
+        each process, never exported); ``tls`` (or ``ssl=True`` for the defaults: the
+        system's CAs, hostname checked) turns TLS on."""
         super().__init__(**options)
         self.host = host
         self.port = port
         self.db = db
         self.username = username
-        self.password = password
         self.unix_socket_path = unix_socket_path
-        self.ssl = ssl
-        self.ssl_options = dict(ssl_options or {})
+        self.tls = tls if tls is not None or not ssl else TlsSettings()
+        if self.tls is not None and unix_socket_path:
+            raise ConfigError("TLS over a unix socket is not supported: Redis serves TLS "
+                              "on TCP ports only")
         #: the server's proto-max-bulk-len (512 MiB by default): larger values are chunked
         self.max_value_size = int(item_size)
+        self._credential = Credential.keep(self.safe_url, password, password_env)
+
+    @property
+    def ssl(self) -> bool:
+        return self.tls is not None
 
     @property
     def safe_url(self) -> str:
         auth = ""
-        if self.username or self.password:
-            auth = f"{self.username or ''}:***@" if self.password else f"{self.username}@"
+        if self.username or self._credential:
+            auth = f"{self.username or ''}:***@" if self._credential else f"{self.username}@"
         if self.unix_socket_path:
             return f"unix://{auth}{self.unix_socket_path}?db={self.db}"
         scheme = "rediss" if self.ssl else "redis"
@@ -94,8 +104,7 @@ class RedisClient(BaseClient[_RedisState]):
             port=None if self.unix_socket_path else self.port,
             unix_socket_path=self.unix_socket_path, username=self.username,
             password=self.password, db=self.db, timeout=self.timeout,
-            connect_timeout=self.connect_timeout, where=self.safe_url,
-            tls=self.ssl, **self.ssl_options)
+            connect_timeout=self.connect_timeout, where=self.safe_url, tls=self.tls)
 
     def _open_state(self) -> _RedisState:
         endpoint = self.endpoint()
@@ -105,11 +114,8 @@ class RedisClient(BaseClient[_RedisState]):
         state.reads.close()
         state.writes.close()
 
-    def consumer_reads(self) -> ConsumerReads | None:
-        """Read-ahead on the consumer's own socket (plain TCP or unix socket; TLS reads
-        go through the event loop)."""
-        if self.ssl:
-            return None
+    def consumer_reads(self) -> ConsumerReads:
+        """Read-ahead on the consumer's own socket (TCP, TLS or unix socket)."""
         return ConsumerReads([BlockingRespConnection(self.endpoint(), self.node_names[0])],
                              _single_node)
 

@@ -8,7 +8,7 @@ thread that shares the GIL with the training loop, so that overhead *is* the cos
 cached read. This module keeps only what an ``MGET`` needs: one connection per loop,
 requests written back to back (pipelined), replies parsed by ``hiredis.Reader`` and
 handed to waiting futures in order. redis-py stays in charge of everything else
-(writes, deletes, TLS, cluster topology).
+(cluster topology).
 
 Ordering safety: every request owns a slot in a FIFO of futures. A caller that gives
 up (timeout, cancellation) leaves its slot in place, so a late reply is consumed by
@@ -31,7 +31,7 @@ from typing import Any
 
 from ..errors import StoreError, StoreTimeout, StoreUnavailable
 from ..protocol.resp import check_mget_reply, new_parser, pack_mget, setup_refused
-from .endpoint import RedisEndpoint
+from .endpoint import RedisEndpoint, close_transport, connect_failure
 
 #: One request: the buffers of one command, written back to back (values not copied).
 Request = Sequence[bytes | memoryview]
@@ -76,7 +76,7 @@ class _Protocol(asyncio.Protocol):
             if not fut.done():
                 fut.set_exception(error)
         if self.transport is not None:
-            self.transport.close()
+            close_transport(self.transport)
 
 
 class RespConnection:
@@ -112,11 +112,8 @@ class RespConnection:
                     lambda: proto, ep.host, ep.port, ssl=tls,
                     server_hostname=ep.host if tls is not None else None)
             await asyncio.wait_for(coro, ep.connect_timeout)
-        except asyncio.TimeoutError as exc:
-            raise StoreTimeout(f"connecting to redis {ep.where} took over "
-                               f"{ep.connect_timeout:g}s") from exc
-        except OSError as exc:
-            raise StoreUnavailable(f"cannot connect to redis {ep.where}: {exc}") from exc
+        except (asyncio.TimeoutError, OSError) as exc:  # ssl.SSLError is an OSError
+            raise connect_failure("redis", ep.where, exc, ep.tls, ep.connect_timeout) from exc
         setup = ep.setup_requests()
         if setup:
             refused = setup_refused(ep.where, await self._send(proto, [[r] for r in setup]))
@@ -181,5 +178,5 @@ class RespConnection:
 
     def close(self) -> None:
         if self._proto is not None and self._proto.transport is not None:
-            self._proto.transport.close()
+            close_transport(self._proto.transport)
         self._proto = None

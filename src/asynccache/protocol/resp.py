@@ -17,6 +17,7 @@ from ..errors import StoreError, StoreUnavailable
 __all__ = [
     "check_mget_reply",
     "new_parser",
+    "no_permission",
     "pack_command",
     "pack_mget",
     "setup_commands",
@@ -58,8 +59,18 @@ def setup_refused(where: str, replies: Sequence[Any]) -> StoreUnavailable | None
     for reply in replies:
         if isinstance(reply, hiredis.ReplyError):
             return StoreUnavailable(f"redis {where} refused the credentials or database: "
-                                    f"{reply}; check user/password/db in the URL")
+                                    f"{reply}; check the user and password in the URL (or "
+                                    "password_env) and the db")
     return None
+
+
+def no_permission(text: str, where: str) -> str:
+    """What a ``NOPERM`` reply means: the ACL user may not touch these keys, or run this
+    command; and what to grant it."""
+    return (f"redis {where}: the ACL user lacks permission ({text}); asynccache uses the "
+            "keys ac:<namespace>:* with MGET, SET, DEL and PING: grant the user that key "
+            "pattern and those commands, e.g. ACL SETUSER <user> ~ac:<namespace>:* "
+            "+mget +set +del +ping")
 
 
 def check_mget_reply(reply: Any, where: str) -> list[Any]:
@@ -68,8 +79,10 @@ def check_mget_reply(reply: Any, where: str) -> list[Any]:
         return reply
     if isinstance(reply, hiredis.ReplyError):
         text = str(reply)
-        if text.startswith(("LOADING", "BUSY", "MASTERDOWN", "NOAUTH", "NOPERM")):
-            return_error: StoreError = StoreUnavailable(f"redis {where} cannot serve reads: {text}")
+        if text.startswith("NOPERM"):
+            return_error: StoreError = StoreUnavailable(no_permission(text, where))
+        elif text.startswith(("LOADING", "BUSY", "MASTERDOWN", "NOAUTH")):
+            return_error = StoreUnavailable(f"redis {where} cannot serve reads: {text}")
         else:
             return_error = StoreError(f"redis {where} answered MGET with an error: {text}")
         raise return_error
@@ -108,6 +121,8 @@ def is_error(reply: Any) -> bool:
 def explain_rejection(reply: Any, where: str, size: int) -> str:
     """What a refused SET means, and which server setting to change."""
     text = str(reply)
+    if text.startswith("NOPERM"):
+        return no_permission(text, where)
     if text.startswith("OOM"):
         return (f"redis {where} is full and refuses writes ({text}): its maxmemory is reached "
                 "with a noeviction policy; set maxmemory-policy allkeys-lru (a cache should "
