@@ -15,6 +15,8 @@ What is stored (types are kept exactly: ``tuple`` stays ``tuple``, ``bool`` stay
 ``bool``, ``-0.0`` and NaN stay themselves):
 
 * ``None``, ``bool``, ``float`` (float64), ``str`` (UTF-8), ``bytes``: MessagePack's own.
+  (``bytearray`` and ``memoryview``, which msgpack packs before asking this module, are
+  stored as ``bytes`` and come back as ``bytes``.)
 * ``int`` of any size: MessagePack's integers within -2**63 .. 2**64-1, outside that
   ext 4 (two's complement, little endian).
 * ``list`` and ``dict``: MessagePack arrays and maps. Dict keys are any of these types
@@ -119,7 +121,6 @@ def _hint(obj: object) -> str:
         (str, "str(value)"),
         (bytes, "bytes(value)"),
         (bytearray, "bytes(value)"),
-        (memoryview, "bytes(value)"),
         (dict, "dict(value)"),
         (list, "list(value)"),
         (tuple, "tuple(value)"),
@@ -224,14 +225,16 @@ class _Writer:
             fix = "value.to(torch.float32) or another supported dtype"
         if fix is not None:
             raise _unsupported(t, f"plain CPU tensors only: convert with {fix}")
-        flat = t.resolve_conj().resolve_neg().contiguous().reshape(-1)
-        try:
-            raw = flat.view(torch.uint8).numpy()
-        except (RuntimeError, TypeError) as exc:  # numpy missing
-            raise EncodeError(
-                f"allow_pickle=False needs numpy to store torch tensors: {exc}"
-            ) from exc
-        return self._ref(_EXT_TENSOR, code, tuple(t.shape), memoryview(raw))
+        if self.np is None:
+            try:
+                self.np = __import__("numpy")
+            except ImportError as exc:
+                raise EncodeError("allow_pickle=False needs numpy to store torch tensors") from exc
+        raw = memoryview(b"")
+        if t.numel():  # (an empty tensor may have a 0 stride, which view() refuses)
+            flat = t.resolve_conj().resolve_neg().contiguous().reshape(-1)
+            raw = memoryview(flat.view(torch.uint8).numpy())
+        return self._ref(_EXT_TENSOR, code, tuple(t.shape), raw)
 
 
 def dumps(obj: object) -> tuple[bytes, list[memoryview]]:
