@@ -69,12 +69,14 @@ under another key. Only another format version stays a :class:`FormatMismatch` (
 miss, never decoded), so a rolling upgrade with a shared secret raises no alarm. A reader
 without a secret refuses signed values with a DecodeError that says so.
 
-Why keyed BLAKE3 with 16-byte tags: measured on the reference machine (Xeon, SHA-NI,
-AVX-512), it costs ~186 µs per MiB single-threaded, below zlib.crc32's ~268 µs that the
-v1 format paid; HMAC-SHA256 costs ~750 µs and keyed BLAKE2b ~1330 µs. Its multi-threaded
-mode was slower on 2 cores (and DataLoader workers already use every core), so it is not
-used. 128 bits make a forgery a 2**-128 guess per attempt, and each attempt costs the
-attacker a store write and a victim's read; 32 bytes would only grow every value.
+Why keyed BLAKE3 with 16-byte tags: measured on the reference machine (2-core Xeon with
+SHA-NI and AVX-512), it costs ~180-195 µs per MiB single-threaded, below the ~270 µs of
+zlib.crc32 that the v1 format paid; HMAC-SHA256 costs ~760 µs (SHA-NI), AES-CMAC ~770 µs,
+keyed BLAKE2b ~1370 µs. Its multi-threaded mode was no faster on 2 cores (and DataLoader
+workers already use every core), so it is not used. A small value costs ~1 µs more to
+encode or decode, mostly the blake3 binding's per-call cost. 128 bits make a forgery a
+2**-128 guess per attempt, and each attempt costs the attacker a store write and a
+victim's read; 32 bytes would only grow every value.
 
 Secrets: ``bytes`` or ``str`` (UTF-8), at least 16 bytes (make one with
 ``python -c "import secrets; print(secrets.token_hex(32))"``), or a sequence of them: the
@@ -759,7 +761,6 @@ def _check_flags(flags: int, checksum: bool, allow_pickle: bool) -> None:
         )
 
 
-
 @functools.cache
 def _accepted_flags(checksum: bool, allow_pickle: bool) -> frozenset[int]:
     """The flags bytes :func:`_check_flags` accepts: one set lookup per decode."""
@@ -784,11 +785,11 @@ def _rebuild_codec_from_env(
     environment, and refuse other ones than the pickling process had (every value would
     be a miss otherwise, silently)."""
     codec = Codec.from_env(name, **kwargs)
-    if codec._signer is None or codec._signer.fingerprints != fingerprints:
-        got = codec._signer.fingerprints if codec._signer else ()
+    if codec._fingerprints() != fingerprints:
         raise ConfigError(
-            f"${name} holds other secrets in this process (fingerprints {', '.join(got)}) "
-            f"than in the process that pickled this Codec ({', '.join(fingerprints)})"
+            f"${name} holds other secrets in this process (fingerprints "
+            f"{', '.join(codec._fingerprints())}) than in the process that pickled this Codec "
+            f"({', '.join(fingerprints)})"
         )
     return codec
 

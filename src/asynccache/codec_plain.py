@@ -6,17 +6,20 @@ nesting depth at 1024, and the few extension types below are parsed here with ex
 checks. Nothing in this module imports or calls :mod:`pickle`.
 
 Why MessagePack and not a format of our own or safetensors' layout: the structure of a
-sample (dicts, lists, small ints, strings) is parsed in C, ~10x faster than a Python
-parser for a list of 100 ints, and as fast as pickle; safetensors only stores a flat
-dict of tensors. Large tensors and arrays do not go through MessagePack at all: like
-the pickle path they are out-of-band buffers (16-byte aligned, copied once on decode).
+sample (dicts, lists, small ints, strings) is parsed in C. Measured on a list of 100 small
+ints: msgpack decodes it in ~1.5 µs, pickle in ~1.8 µs, a minimal tag-length-value parser
+written in Python in ~19 µs. safetensors' layout (a JSON header, then raw tensors) only
+stores a flat dict of tensors; its idea is kept for the tensors and arrays, which never go
+through MessagePack: like the pickle path they are out-of-band buffers (16-byte aligned,
+copied once on decode), named by a small descriptor (dtype code, shape, buffer index).
 
 What is stored (types are kept exactly: ``tuple`` stays ``tuple``, ``bool`` stays
 ``bool``, ``-0.0`` and NaN stay themselves):
 
 * ``None``, ``bool``, ``float`` (float64), ``str`` (UTF-8), ``bytes``: MessagePack's own.
   (``bytearray`` and ``memoryview``, which msgpack packs before asking this module, are
-  stored as ``bytes`` and come back as ``bytes``.)
+  stored as ``bytes`` and come back as ``bytes``; so are msgpack's own ``ExtType`` and
+  ``Timestamp`` objects packed as MessagePack defines them.)
 * ``int`` of any size: MessagePack's integers within -2**63 .. 2**64-1, outside that
   ext 4 (two's complement, little endian).
 * ``list`` and ``dict``: MessagePack arrays and maps. Dict keys are any of these types
@@ -35,6 +38,16 @@ What is stored (types are kept exactly: ``tuple`` stays ``tuple``, ``bool`` stay
   values only: strides, storage sharing and conj/neg views are not kept.
 
 Anything else raises :class:`EncodeError` naming the conversion to apply.
+
+Hostile input (a forger without a secret can seal any payload with a valid checksum):
+every length MessagePack reads is bounded by the stream (it refuses an array, map, str,
+bin or ext claiming more), and nesting by its 1024-deep stack. Each array descriptor is
+checked (known dtype code, at most 64 dims, exact length, buffer present and not used
+before, shape times itemsize equal to the buffer's length, in Python ints) before an
+array is made over the buffer, which allocates nothing more. Every buffer must be used,
+and a tuple marker anywhere but first in an array is refused. MessagePack's built-in
+timestamp extension (never written) decodes as an int of nanoseconds. Every failure is a
+:class:`DecodeError`.
 """
 
 from __future__ import annotations
@@ -64,7 +77,7 @@ _DESC = struct.Struct("<BBI")  # dtype code, ndim, buffer index; then ndim <Q di
 _MAX_NDIM = 64  # numpy's own limit
 MAX_DEPTH = 1024  # nested containers, enforced by msgpack's packer and unpacker alike
 
-# Codes are part of the stored format: append only, never reorder.
+# Codes are part of the stored format: append only, never reorder (code 0 is bool in both).
 _NUMPY_DTYPES = (
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
     "float16", "float32", "float64", "complex64", "complex128",
@@ -299,6 +312,8 @@ class _Reader:
             dt = dtypes[data[0]] if data[0] < len(dtypes) else None
             if dt is None or len(data) != 1 + dt.itemsize:
                 raise DecodeError("invalid numpy scalar")
+            if dt.kind == "b":
+                _check_bools(data[1:])
             return _import("numpy").frombuffer(data, dt, 1, 1)[0]
         raise DecodeError(f"unknown extension type {code} ({len(data)} bytes)")
 
@@ -321,6 +336,8 @@ class _Reader:
         itemsize = dt.itemsize
         if math.prod(shape) * itemsize != len(buf):  # Python ints: no overflow
             raise DecodeError(f"shape {shape} of {dt} does not match its {len(buf)}-byte buffer")
+        if code == 0:  # bool in both tables
+            _check_bools(buf)
         if ext == _EXT_NDARRAY:
             return _import("numpy").frombuffer(buf, dt).reshape(shape)
         torch = _import("torch")
@@ -334,6 +351,13 @@ class _Reader:
             del items[0]
             return tuple(items)
         return items
+
+
+def _check_bools(raw: bytes | memoryview) -> None:
+    """Bool values must be bytes 0 or 1: numpy and torch kernels assume it (one copy of
+    the buffer, for bool arrays only)."""
+    if bytes(raw).translate(None, b"\x00\x01"):
+        raise DecodeError("bool values other than 0 and 1")
 
 
 def _import(name: str) -> Any:

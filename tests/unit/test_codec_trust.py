@@ -743,6 +743,7 @@ HOSTILE_STREAMS = {
     "marker-with-data": (ext(1, b"x"), "unknown extension"),
     "bad-scalar-dtype": (ext(5, b"\xff\x00"), "numpy scalar"),
     "bad-scalar-size": (ext(5, bytes([FLOAT32]) + b"\x00"), "numpy scalar"),
+    "bool-scalar-of-two": (ext(5, b"\x00\x02"), "other than 0 and 1"),
     "array-without-buffer": (ext(2, desc(FLOAT32, (1,))), "buffer 0"),
     "short-descriptor": (ext(2, b"\x00\x01"), "truncated array descriptor"),
 }
@@ -768,6 +769,8 @@ HOSTILE_REFS = {  # (ext code, descriptor, buffers)
     "empty-with-huge-dims": (2, desc(FLOAT32, (0, 2**63)), [b""], None),
     "empty-tensor-huge-dims": (3, desc(TORCH_FLOAT32, (0, 2**63)), [b""], None),
     "unreferenced-buffer": (2, desc(FLOAT32, (1,)), [bytes(4), bytes(4)], "no array refers"),
+    "bool-array-of-twos": (2, desc(0, (2,)), [b"\x01\x02"], "other than 0 and 1"),
+    "bool-tensor-of-twos": (3, desc(0, (2,)), [b"\x00\xff"], "other than 0 and 1"),
 }
 
 
