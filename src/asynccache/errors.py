@@ -14,7 +14,8 @@ redis-py's ``ConnectionError``/``TimeoutError`` shadow the builtins and never es
     ├── EncodeError            the value cannot be serialised (unpicklable, too large)
     │   └── ValueTooLarge      larger than the store allows and chunking is off
     ├── DecodeError            bytes under a key are not a value asynccache wrote for that key
-    │   └── FormatMismatch     a value of another asynccache format version: a plain miss
+    │   ├── FormatMismatch     a value of another asynccache format version: a plain miss
+    │   └── SignatureError     not signed by any secret of a Codec(secret=...): a forgery
     ├── StoreError             the store failed: the core turns these into misses
     │   ├── StoreUnavailable   connection refused / reset / closed
     │   ├── StoreTimeout       no answer within the configured timeout
@@ -35,6 +36,7 @@ __all__ = [
     "KeyTooLong",
     "LoopError",
     "MissingDependency",
+    "SignatureError",
     "StoreError",
     "StoreRejected",
     "StoreTimeout",
@@ -83,6 +85,17 @@ class FormatMismatch(DecodeError):
     """The value was written by an asynccache with another format version.
 
     Not damage and not an attack: the core treats it as a plain miss (and overwrites it).
+    """
+
+
+class SignatureError(DecodeError):
+    """Bytes under a key were not signed by any of this codec's secrets: a miss; someone
+    without the secret wrote them.
+
+    Raised only by a ``Codec(secret=...)``, for unsigned, forged, truncated, damaged or
+    differently-signed values, before any byte of them is decompressed or unpickled. The
+    core counts it apart from other decode errors: it means a writer of the store holds
+    no secret of this codec (a peer not yet configured, or an attacker).
     """
 
 

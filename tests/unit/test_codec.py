@@ -675,13 +675,21 @@ def test_other_versions_are_a_format_mismatch(version: int) -> None:
     assert issubclass(FormatMismatch, DecodeError)
 
 
-@pytest.mark.parametrize("flag", [F_MAC, F_NOPICKLE, F_MAC | F_NOPICKLE], ids=["mac", "np", "both"])
-def test_reserved_flags_name_the_missing_configuration(flag: int) -> None:
+@pytest.mark.parametrize("flag", [F_MAC, F_MAC | F_NOPICKLE], ids=["mac", "both"])
+def test_signed_flag_names_the_missing_secret(flag: int) -> None:
     blob = bytearray(Codec().encode("x", KEY))
     blob[3] |= flag
     for codec in (Codec(), Codec(checksum=False)):
-        with pytest.raises(DecodeError, match="secret / pickle-free codec"):
+        with pytest.raises(DecodeError, match="written by a Codec with a secret"):
             codec.decode(reseal(blob), KEY)
+
+
+def test_pickle_stream_under_the_pickle_free_flag_is_never_unpickled() -> None:
+    for value in ("x", "y" * 5000):  # hot-path size and general path
+        blob = bytearray(Codec().encode(value, KEY))
+        blob[3] |= F_NOPICKLE
+        with pytest.raises(DecodeError, match="pickle-free"):
+            Codec().decode(reseal(blob), KEY)
 
 
 @pytest.mark.parametrize("flag", [0b11, 0b1000_0000], ids=["comp3", "bit7"])
