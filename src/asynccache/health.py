@@ -7,8 +7,9 @@ read-ahead on a consumer's own socket, chunk reads, writes — reports to the sa
 Rules:
 
 * **Count** every failure: ``errors`` plus one of ``timeouts``, ``unavailable``,
-  ``rejected``; undecodable bytes count as ``decode_errors`` (a value of another
-  asynccache format version is only ``outdated``: a plain miss, not an error).
+  ``rejected``; undecodable bytes count as ``decode_errors``, bytes no secret of a
+  signing codec signed as ``bad_signatures`` (a value of another asynccache format
+  version is only ``outdated``: a plain miss, not an error).
 * **Log once** per kind (operation × error type) at WARNING, then at DEBUG.
 * **Back off per node** after a timeout or a broken connection: that node's keys are
   skipped (misses, counted as ``skipped``) for 0.5 s, doubling up to 30 s while probes
@@ -33,6 +34,7 @@ from .errors import (
     CacheError,
     DecodeError,
     FormatMismatch,
+    SignatureError,
     StoreRejected,
     StoreTimeout,
     StoreUnavailable,
@@ -104,7 +106,11 @@ class FailurePolicy:
             counters["outdated"] += 1
             return
         counters["errors"] += 1
-        counters["decode_errors"] += 1
+        if isinstance(exc, SignatureError):
+            # bytes somebody without the secret wrote: its own counter, its own warning
+            counters["bad_signatures"] += 1
+        else:
+            counters["decode_errors"] += 1
         if not self.strict:
             self.log.report("decode", exc, self.where)
 

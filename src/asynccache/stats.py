@@ -23,7 +23,8 @@ logger = logging.getLogger("asynccache")
 
 #: Counters every cache reports, even at zero (README "stats() counters").
 CORE_COUNTERS = (
-    "hits", "misses", "errors", "decode_errors", "outdated", "timeouts", "unavailable",
+    "hits", "misses", "errors", "decode_errors", "bad_signatures", "outdated", "timeouts",
+    "unavailable",
     "rejected", "skipped", "batches", "keys_requested", "coalesced", "bytes_read",
     "sets", "set_batches", "bytes_written", "writes_dropped", "chunked_values",
     "batch_time_us", "leases", "lease_waits", "lease_hits", "lease_timeouts",

@@ -87,3 +87,11 @@ def test_counters_are_exact_under_threads() -> None:
     assert 0 <= mid <= 160_000
     assert counters.snapshot()["hits"] == 160_000
     assert counters.snapshot()["hits"] == 160_000  # ended threads' shards are folded once
+
+
+def test_bad_signatures_have_their_own_counter() -> None:
+    p = policy()
+    p.decode_failed(ac.SignatureError("not signed by any of our secrets"))
+    stats = p.counters.snapshot()
+    assert stats["bad_signatures"] == 1 and stats["errors"] == 1
+    assert stats["decode_errors"] == 0
