@@ -30,7 +30,6 @@ Keys: ``key_for(i) == b"ac:" + namespace + b":" + str(i)`` for an int index.
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import operator
 import os
@@ -44,11 +43,10 @@ from ._fork import park_inherited
 from .clients.base import BaseClient
 from .codec import Codec
 from .core import MISSING, AsyncKVCache, OnError
-from .errors import ConfigError, KeyTooLong, StoreError
+from .errors import ConfigError, KeyTooLong
 from .keys import encode_key
-from .loop import LoopThread, get_loop_thread
 from .prefetch import Prefetcher
-from .sources import LoopSource, ReadSource, SocketSource
+from .runtime import CacheRuntime
 
 try:  # torch is optional: without it the class is a plain map-style wrapper
     from torch.utils.data import MapDataPipe as _Base
@@ -113,30 +111,20 @@ def _as_list(order: Iterable[Any]) -> list[Any]:
     return items if isinstance(items, list) else [items]
 
 
-class _Runtime:
-    """Per-process state: loop thread, per-thread prefetchers, pending writes. Never pickled."""
+class _Runtime(CacheRuntime):
+    """A pipe's runtime: the shared parts plus one prefetcher per consumer thread."""
 
     def __init__(self, pipe: AsyncKVCacheMapDataPipe) -> None:
+        super().__init__(pipe.client, pipe.namespace, pipe.ttl, pipe.codec, pipe.on_error,
+                         pipe.lease)
         self.pipe = pipe
-        self.fork_generation = _fork.generation
         self.length = len(pipe)
-        self.loop: LoopThread = get_loop_thread()
-        self.cache = AsyncKVCache(pipe.client, pipe.namespace, pipe.ttl, pipe.codec,
-                                  pipe.on_error, lease=pipe.lease)
         #: ``0 <= i < fast_length`` means "an int index needing no normalization"
         self.fast_length = self.length if pipe._mapping is None else -1
         self.local = threading.local()
-        self.lock = threading.Lock()
         #: every thread's prefetcher (for stats and close); ended threads' are folded
         self.prefetchers: list[tuple[weakref.ref[threading.Thread], Prefetcher]] = []
         self.retired = Prefetcher.zero_counts()
-        self.writes: dict[bytes, bytes] = {}
-        self.write_scheduled = False
-        self.loop.call_soon(self.cache.client.retain)
-
-    def current(self) -> bool:
-        """False in a forked child: this runtime (loop, sockets) is the parent's."""
-        return self.fork_generation == _fork.generation
 
     # -- per-thread read state -----------------------------------------------------------
     def prefetcher(self) -> Prefetcher:
@@ -153,18 +141,10 @@ class _Runtime:
                 p.stale_order = True
 
     def _new_prefetcher(self) -> Prefetcher:
-        # Never for the loop thread itself: a blocking read there would stall (or, through
-        # the loop, deadlock) every pipe of the process. Checked once per thread.
-        self.loop.check_caller()
-        pipe, cache = self.pipe, self.cache
-        reads = pipe.client.consumer_reads()
-        source: ReadSource
-        if reads is not None:
-            source = SocketSource(cache, reads, self.loop)
-        else:
-            source = LoopSource(cache, self.loop, wait_timeout=pipe.client.timeout * 2 + 0.5)
+        pipe = self.pipe
+        source = self.new_source()
         length = None if pipe._mapping is not None else self.length
-        p = Prefetcher(source, pipe.key_for, length, pipe.prefetch, cache.policy.strict)
+        p = Prefetcher(source, pipe.key_for, length, pipe.prefetch, self.cache.policy.strict)
         p.follow_order = pipe._follow_order
         p.stale_order = True  # its first read follows the pipe's order
         self.local.prefetcher = p
@@ -195,45 +175,12 @@ class _Runtime:
                     total[name] += value
         return total
 
-    def close_prefetchers(self) -> None:
+    def close(self, timeout: float) -> None:
         with self.lock:
-            for _ref, p in self.prefetchers:
-                p.close()
-
-    # -- writes ------------------------------------------------------------------------
-    def queue_writes(self, entries: dict[bytes, bytes]) -> None:
-        with self.lock:
-            self.writes.update(entries)
-            if self.write_scheduled:
-                return
-            self.write_scheduled = True
-        self.loop.call_soon(self._hand_over)
-
-    def _hand_over(self) -> None:  # loop thread
-        with self.lock:
-            entries, self.writes, self.write_scheduled = self.writes, {}, False
-        if entries:
-            self.cache.write_behind(entries)
-
-    async def write_then_release(self, entries: dict[bytes, bytes], keys: list[bytes]) -> None:
-        """Write computed values now, then drop their leases (waiters see the value)."""
-        try:
-            await self.cache.write_entries(entries)
-        except StoreError:
-            pass  # raise mode: counted by the policy; a pipe's writes never raise
-        await self.cache.release_leases(keys)
-
-    async def finish(self, close: bool) -> None:
-        """Write what is queued; with ``close``, also close this loop's connections."""
-        self._hand_over()
-        if close:
-            with self.lock:
-                sources = [p.source for _ref, p in self.prefetchers]
-            for source in sources:
-                await source.cancel_pending()
-        await self.cache.flush()
-        if close:
-            await self.cache.client.release()
+            prefetchers = [p for _ref, p in self.prefetchers]
+        for p in prefetchers:
+            p.close()
+        self.finish(close=True, timeout=timeout, sources=[p.source for p in prefetchers])
 
 
 class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
@@ -404,60 +351,10 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         return values
 
     def _compute(self, indices: list[Any], rt: _Runtime, wait: bool = False) -> dict[Any, Any]:
-        """Compute misses in this thread and queue them for writing.
-
-        With ``wait`` (whole batches, as the DataLoader asks for them) the batch is
-        written with pipelined requests and the call returns once they are
-        acknowledged (about one round trip per batch): a worker that hands back a batch
-        has made it visible to every other worker. That is what makes epoch 2 compute
-        nothing even with persistent workers. Single ``dp[i]`` reads only queue
-        (write-behind); ``close()``/``flush()`` wait.
-        """
-        if self.lease is not None:
-            return self._compute_once(list(dict.fromkeys(indices)), rt)
-        computed = {i: self.source[i] for i in dict.fromkeys(indices)}
-        rt.cache.counters.add("computed", len(computed))
-        rt.queue_writes(rt.cache.encode_entries({self.key_for(i): v for i, v in computed.items()}))
-        if wait:
-            self._finish(rt, close=False, timeout=max(self.client.timeout * 2, 1.0))
-        return computed
-
-    def _compute_once(self, indices: list[Any], rt: _Runtime) -> dict[Any, Any]:
-        """Misses under ``lease``: take the leases (one round trip), compute and write
-        what is ours, wait for the others' values; a lease that frees up while waiting
-        (its holder died) is ours too."""
-        cache, loop = rt.cache, rt.loop
-        bound = self.client.timeout * 3 + 1
-        keys = {self.key_for(i): i for i in indices}
-        try:
-            taken = loop.call(cache.acquire_leases(list(keys)), bound)
-        except concurrent.futures.TimeoutError:
-            taken = [True] * len(keys)
-        computed = self._compute_mine([i for i, ok in zip(indices, taken) if ok], rt)
-        theirs = [k for k, ok in zip(keys, taken) if not ok]
-        if theirs:
-            try:
-                found, mine = loop.call(
-                    cache.wait_for_values(theirs),
-                    self.lease + self.client.expiry_slack + bound)  # type: ignore[operator]
-            except concurrent.futures.TimeoutError:
-                found, mine = {}, theirs
-            computed.update((keys[k], v) for k, v in found.items())
-            computed.update(self._compute_mine([keys[k] for k in mine], rt))
-        return computed
-
-    def _compute_mine(self, indices: list[Any], rt: _Runtime) -> dict[Any, Any]:
-        if not indices:
-            return {}
-        computed = {i: self.source[i] for i in indices}
-        rt.cache.counters.add("computed", len(computed))
-        entries = rt.cache.encode_entries({self.key_for(i): v for i, v in computed.items()})
-        keys = [self.key_for(i) for i in indices]
-        try:
-            rt.loop.call(rt.write_then_release(entries, keys), self.client.timeout * 3 + 1)
-        except concurrent.futures.TimeoutError:
-            rt.cache.count("writes_dropped", len(entries))
-        return computed
+        """Compute misses in this thread and write them back (see CacheRuntime.compute)."""
+        wanted = {self.key_for(i): i for i in dict.fromkeys(indices)}
+        computed = rt.compute(wanted, self.source.__getitem__, wait=wait)
+        return {wanted[key]: value for key, value in computed.items()}
 
     def __iter__(self) -> Iterator[Any]:
         rt = self._runtime()
@@ -492,7 +389,9 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
 
     def flush(self, timeout: float = CLOSE_TIMEOUT) -> None:
         """Wait until pending write-behind entries are in the store (bounded)."""
-        self._finish(self._rt, close=False, timeout=timeout)
+        rt = self._rt
+        if rt is not None:
+            rt.flush(timeout)
 
     def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
         """Flush pending writes, then close this process's connections (bounded).
@@ -500,22 +399,11 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         The client stays usable (it reconnects lazily), and so does the pipe.
         """
         rt, self._rt = self._rt, None
-        self._finish(rt, close=True, timeout=timeout)
-
-    def _finish(self, rt: _Runtime | None, *, close: bool, timeout: float) -> None:
-        if rt is None or not rt.current() or rt.loop.closed:
-            return
-        if close:
-            rt.close_prefetchers()
-        try:
-            rt.loop.call(rt.finish(close), timeout)
-        except (TimeoutError, StoreError) as exc:
-            rt.cache.count("writes_dropped", len(rt.writes))
-            rt.cache.policy.log.report("flush", exc, self.client.safe_url)
+        if rt is not None and rt.current():
+            rt.close(timeout)
 
     def _on_loop_shutdown(self) -> None:
-        rt, self._rt = self._rt, None
-        self._finish(rt, close=True, timeout=CLOSE_TIMEOUT)
+        self.close()
 
     def __enter__(self) -> AsyncKVCacheMapDataPipe:
         return self
