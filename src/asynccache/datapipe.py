@@ -30,9 +30,12 @@ Keys: ``key_for(i) == b"ac:" + namespace + b":" + str(i)`` for an int index.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import operator
 import os
+import secrets
+import sys
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -46,7 +49,7 @@ from .core import MISSING, AsyncKVCache, OnError
 from .errors import ConfigError, KeyTooLong
 from .keys import encode_key
 from .prefetch import Prefetcher
-from .runtime import CacheRuntime
+from .runtime import CacheRuntime, Reports
 
 try:  # torch is optional: without it the class is a plain map-style wrapper
     from torch.utils.data import MapDataPipe as _Base
@@ -111,12 +114,56 @@ def _as_list(order: Iterable[Any]) -> list[Any]:
     return items if isinstance(items, list) else [items]
 
 
+def _worker_info() -> Any:
+    """torch's DataLoader worker info in a worker process, else None."""
+    get = getattr(sys.modules.get("torch.utils.data"), "get_worker_info", None)
+    return get() if get is not None else None
+
+
+def _one_pass(order: Iterable[Any]) -> list[Any]:
+    """One epoch of ``order``.
+
+    In a DataLoader worker the worker's own copy of the order is iterated: the worker was
+    made (forked, or unpickled) from the parent's state just before the parent draws the
+    epoch's permutation from the same generator, so both draw the same one, epoch after
+    epoch (with persistent workers too). Anywhere else a *detached* copy is iterated, so
+    that asking for the plan never advances the user's sampler or torch's global random
+    state: the cache must not change the training order.
+    """
+    if _worker_info() is not None:
+        return _as_list(order)
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return _as_list(order)
+    state = torch.get_rng_state()  # a sampler without a generator draws from it
+    try:
+        return _as_list(_detached(order, torch))
+    finally:
+        torch.set_rng_state(state)
+
+
+def _detached(order: Any, torch: Any) -> Any:
+    """A shallow copy of a sampler (and of the sampler it wraps) with cloned generators."""
+    generator = getattr(order, "generator", None)
+    inner = getattr(order, "sampler", None)
+    if not isinstance(generator, torch.Generator) and inner is None:
+        return order
+    clone = copy.copy(order)
+    if isinstance(generator, torch.Generator):
+        twin = torch.Generator(device=generator.device)
+        twin.set_state(generator.get_state())
+        clone.generator = twin
+    if inner is not None and inner is not order:
+        clone.sampler = _detached(inner, torch)
+    return clone
+
+
 class _Runtime(CacheRuntime):
     """A pipe's runtime: the shared parts plus one prefetcher per consumer thread."""
 
     def __init__(self, pipe: AsyncKVCacheMapDataPipe) -> None:
         super().__init__(pipe.client, pipe.namespace, pipe.ttl, pipe.codec, pipe.on_error,
-                         pipe.lease)
+                         pipe.lease, pipe._reports, self.stats)
         self.pipe = pipe
         self.length = len(pipe)
         #: ``0 <= i < fast_length`` means "an int index needing no normalization"
@@ -125,6 +172,10 @@ class _Runtime(CacheRuntime):
         #: every thread's prefetcher (for stats and close); ended threads' are folded
         self.prefetchers: list[tuple[weakref.ref[threading.Thread], Prefetcher]] = []
         self.retired = Prefetcher.zero_counts()
+        #: the last pass over the order (its batches), and the DataLoader's batch size
+        #: as the first __getitems__ showed it: what a worker's share is cut from
+        self.drawn: list[Any] | None = None
+        self.batch_size: int | None = None
 
     # -- per-thread read state -----------------------------------------------------------
     def prefetcher(self) -> Prefetcher:
@@ -173,6 +224,14 @@ class _Runtime(CacheRuntime):
             for _ref, p in self.prefetchers:
                 for name, value in p.counts.items():
                     total[name] += value
+        return total
+
+    def stats(self) -> dict[str, int]:
+        """This process's counters: the cache's and every thread's prefetcher's."""
+        total = self.cache.stats()
+        total.setdefault("computed", 0)
+        for name, value in self.counts().items():
+            total[name] = total.get(name, 0) + value
         return total
 
     def close(self, timeout: float) -> None:
@@ -226,6 +285,8 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         self.order = self._check_order(order)
         # Validates namespace / client / on_error now, in the caller, not in a worker.
         probe = AsyncKVCache(client, self.namespace, ttl, codec, on_error, lease=lease)
+        self._reports = Reports(secrets.token_hex(8))
+        self._reports.bind(self)
         self._prefix = probe.prefix
         self._max_key_size = probe.max_key_size
         self._rt: _Runtime | None = None
@@ -309,19 +370,43 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
                               "order=None to let asynccache detect sequential reads")
         return order
 
-    def _plan_from(self, order: Iterable[Any]) -> list[Any]:
+    def _plan_from(self, items: list[Any]) -> list[Any]:
         try:
-            return [self._normalize(i) for i in _as_list(order)]
+            return [self._normalize(i) for i in items]
         except (IndexError, TypeError) as exc:
             raise ConfigError(f"order contains an index this dataset does not have: "
                               f"{exc}") from exc
 
+    def _process_plan(self, items: list[Any], rt: _Runtime) -> list[Any]:
+        """This process's plan from one pass over the order.
+
+        In a DataLoader worker it is the worker's share: the DataLoader hands batches to
+        workers round-robin, so worker ``w`` of ``W`` gets batches ``w, w+W, ...``. The
+        batches are the order's own when it yields lists (a batch sampler), else the
+        order cut into batches of the size of the first ``__getitems__`` call.
+        """
+        batches: list[Any] | None = items if items and type(items[0]) is list else None
+        worker = _worker_info()
+        if worker is not None and batches is None and rt.batch_size:
+            size = rt.batch_size
+            batches = [items[i:i + size] for i in range(0, len(items), size)]
+        if batches is None:
+            return self._plan_from(items)
+        if worker is not None:
+            batches = batches[worker.id::worker.num_workers]
+        return self._plan_from([i for batch in batches for i in batch])
+
     def _follow_order(self, p: Prefetcher) -> None:
         order = self.order
-        if order is None:
+        rt = self._rt
+        if order is None or rt is None:
             return
-        plan = self._plan_from(order)
-        p.set_plan(plan, lambda: self._plan_from(order))
+
+        def next_epoch() -> list[Any]:
+            rt.drawn = _one_pass(order)
+            return self._process_plan(rt.drawn, rt)
+
+        p.set_plan(next_epoch(), next_epoch)
 
     # -- map-style protocol --------------------------------------------------------------------
     def __getitem__(self, index: Any) -> Any:
@@ -343,7 +428,13 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         """A whole batch with one store request; misses computed and written back."""
         rt = self._runtime()
         indices = [self._normalize(i) for i in indices]
-        values = rt.prefetcher().take_many(indices)
+        p = rt.prefetcher()
+        if rt.batch_size is None:
+            rt.batch_size = len(indices)
+            if rt.drawn is not None and _worker_info() is not None:
+                # a flat order in a DataLoader worker: now its share can be cut out
+                p.set_plan(self._process_plan(rt.drawn, rt), p.replan)
+        values = p.take_many(indices)
         missing = [i for i, v in zip(indices, values) if v is MISSING]
         if missing:
             computed = self._compute(missing, rt, wait=True)
@@ -359,7 +450,7 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
     def __iter__(self) -> Iterator[Any]:
         rt = self._runtime()
         if self.order is not None:
-            plan: Sequence[Any] = self._plan_from(self.order)
+            plan: Sequence[Any] = self._plan_from(_one_pass(self.order))
         elif self._mapping is not None:
             plan = list(self._mapping.keys())
         else:
@@ -375,17 +466,25 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         self._runtime().order_changed()
 
     # -- lifecycle -------------------------------------------------------------------------
-    def stats(self) -> dict[str, int]:
-        """hits, misses, errors, prefetch_hits, stalls, computed, bytes_read, ... (ints)."""
+    def stats(self, per_process: bool = False) -> Any:
+        """hits, misses, errors, prefetch_hits, stalls, computed, bytes_read, ... (ints).
+
+        In the process that built the pipe: the sum over every copy of it — this
+        process's and those of DataLoader workers, as of their last report (at most about
+        a second old; final once they exited). In a worker: that worker's own.
+        ``per_process=True``: ``{pid: counters}`` instead of the sum.
+        """
+        local = self._local_stats()
+        if per_process:
+            return {os.getpid(): local, **self._reports.others()}
+        return self._reports.total(local)
+
+    def _local_stats(self) -> dict[str, int]:
         rt = self._rt
         if rt is None or not rt.current():  # nothing happened in this process yet
             return {**AsyncKVCache(self.client, self.namespace).stats(),
                     **Prefetcher.zero_counts(), "computed": 0}
-        total = rt.cache.stats()
-        total.setdefault("computed", 0)
-        for name, value in rt.counts().items():
-            total[name] = total.get(name, 0) + value
-        return total
+        return rt.stats()
 
     def flush(self, timeout: float = CLOSE_TIMEOUT) -> None:
         """Wait until pending write-behind entries are in the store (bounded)."""

@@ -9,11 +9,14 @@ its visibility guarantee and leases behave the same in both.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import _fork
+from .board import REPORT_INTERVAL, StatsBoard
 from .clients.base import BaseClient
 from .codec import Codec
 from .core import AsyncKVCache, OnError
@@ -21,14 +24,50 @@ from .errors import StoreError
 from .loop import LoopThread, get_loop_thread
 from .sources import LoopSource, ReadSource, SocketSource
 
-__all__ = ["CacheRuntime"]
+__all__ = ["CacheRuntime", "Reports"]
+
+
+class Reports:
+    """The stats board of one pipe or node, as seen from its owner (the process that
+    built it) and from its copies (DataLoader workers), which publish to it."""
+
+    def __init__(self, board_id: str) -> None:
+        self.board = StatsBoard(board_id)
+        self.owner_pid = os.getpid()
+
+    def bind(self, owner: object) -> None:
+        """Owner side: sweep old boards; remove this one when ``owner`` is let go of."""
+        self.board.sweep()
+        weakref.finalize(owner, _remove_if_owner, self.board, self.owner_pid)
+
+    @property
+    def owner(self) -> bool:
+        return os.getpid() == self.owner_pid
+
+    def others(self) -> dict[int, dict[str, int]]:
+        """What the copies in other processes last published (owner side)."""
+        return self.board.collect() if self.owner else {}
+
+    def total(self, local: dict[str, int]) -> dict[str, int]:
+        total = dict(local)
+        for counters in self.others().values():
+            for name, value in counters.items():
+                total[name] = total.get(name, 0) + value
+        return total
+
+
+def _remove_if_owner(board: StatsBoard, owner_pid: int) -> None:
+    if os.getpid() == owner_pid:  # a forked child inherits this finalizer: not its board
+        board.remove()
 
 
 class CacheRuntime:
     """Loop thread, cache and queued writes of one pipe or node in one process."""
 
     def __init__(self, client: BaseClient[Any], namespace: str, ttl: float | None,
-                 codec: Codec | None, on_error: OnError, lease: float | None) -> None:
+                 codec: Codec | None, on_error: OnError, lease: float | None,
+                 reports: Reports | None = None,
+                 snapshot: Callable[[], dict[str, int]] | None = None) -> None:
         self.fork_generation = _fork.generation
         self.client = client
         self.loop: LoopThread = get_loop_thread()
@@ -38,6 +77,30 @@ class CacheRuntime:
         self.writes: dict[bytes, bytes] = {}
         self.write_scheduled = False
         self.loop.call_soon(client.retain)
+        #: a copy outside the owner's process publishes its counters every second
+        self.reports = reports if reports is not None and not reports.owner else None
+        self._snapshot = snapshot
+        self._timer: Any = None
+        if self.reports is not None and snapshot is not None:
+            self.loop.call_soon(self._report_later)
+
+    # -- reports (loop thread) -----------------------------------------------------------
+    def _report_later(self) -> None:
+        self._timer = self.loop.loop.call_later(REPORT_INTERVAL, self._report)
+
+    def _report(self) -> None:
+        self.publish()
+        if not self.loop.closed:
+            self._report_later()
+
+    def publish(self) -> None:
+        """Write this process's counters to the owner's board (copies only)."""
+        if self.reports is None or self._snapshot is None:
+            return
+        try:
+            self.reports.board.publish(self._snapshot())
+        except OSError:
+            pass  # a full or read-only /dev/shm costs the cross-process view, nothing else
 
     def current(self) -> bool:
         """False in a forked child: this runtime (loop, sockets) is the parent's."""
@@ -146,6 +209,10 @@ class CacheRuntime:
         ``sources`` and close this loop's connections. Bounded by ``timeout``."""
         if not self.current() or self.loop.closed:
             return
+        if close:
+            if self._timer is not None:
+                self.loop.call_soon(self._timer.cancel)
+            self.publish()  # the final numbers of a copy (a worker that exits)
         try:
             self.loop.call(self._finish(close, sources or []), timeout)
         except (TimeoutError, StoreError) as exc:
