@@ -163,7 +163,7 @@ class _Runtime(CacheRuntime):
 
     def __init__(self, pipe: AsyncKVCacheMapDataPipe) -> None:
         super().__init__(pipe.client, pipe.namespace, pipe.ttl, pipe.codec, pipe.on_error,
-                         pipe.lease, pipe._reports, self.stats)
+                         pipe.lease, pipe._reports, pipe.l1_bytes, self.stats)
         self.pipe = pipe
         self.length = len(pipe)
         #: ``0 <= i < fast_length`` means "an int index needing no normalization"
@@ -250,7 +250,9 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
     iterator (which is consumed once, here, and reused every epoch); it is re-iterated
     when used up. ``prefetch=0`` disables read-ahead. ``lease`` (seconds): each miss
     is computed by one process while the others wait for its value (see
-    :class:`~asynccache.core.AsyncKVCache`).
+    :class:`~asynccache.core.AsyncKVCache`). ``l1_bytes``: an in-process LRU of that many
+    bytes of encoded values in front of the store, for items reused within a process
+    (counted as ``l1_hits``).
     """
 
     def __init__(
@@ -265,6 +267,7 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         order: Iterable[Any] | None = None,
         *,
         lease: float | None = None,
+        l1_bytes: int | None = None,
     ) -> None:
         if not hasattr(source, "__getitem__") or not hasattr(source, "__len__"):
             raise ConfigError(
@@ -281,10 +284,12 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         self.codec = codec
         self.on_error: OnError = on_error
         self.lease = lease
+        self.l1_bytes = l1_bytes
         self._mapping = _mapping_behind(source)
         self.order = self._check_order(order)
         # Validates namespace / client / on_error now, in the caller, not in a worker.
-        probe = AsyncKVCache(client, self.namespace, ttl, codec, on_error, lease=lease)
+        probe = AsyncKVCache(client, self.namespace, ttl, codec, on_error, lease=lease,
+                             l1_bytes=l1_bytes)
         self._reports = Reports(secrets.token_hex(8))
         self._reports.bind(self)
         self._prefix = probe.prefix

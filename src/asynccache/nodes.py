@@ -29,10 +29,14 @@ import collections
 import concurrent.futures
 import hashlib
 import multiprocessing
+import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
+
+from torch.utils.data import IterableDataset, get_worker_info
 
 from . import _fork
 from ._fork import park_inherited
@@ -42,18 +46,18 @@ from .core import MISSING, AsyncKVCache, Failed, OnError
 from .errors import ConfigError, KeyTooLong, MissingDependency
 from .keys import encode_key
 from .prefetch import batch_size_for
-from .runtime import CacheRuntime
+from .runtime import CacheRuntime, Reports
 from .sources import ReadSource, Ticket
 
 try:
-    from torchdata.nodes import BaseNode
+    from torchdata.nodes import BaseNode, Loader
 except ImportError as exc:  # pragma: no cover - exercised only where torchdata is absent
     raise MissingDependency(
         "asynccache.nodes needs torchdata >= 0.10 (torchdata.nodes): "
         "pip install 'asynccache[torchdata]'"
     ) from exc
 
-__all__ = ["CachedMapper"]
+__all__ = ["CachedMapper", "NodeIterable"]
 
 T = TypeVar("T")
 
@@ -97,7 +101,7 @@ class _NodeRuntime(CacheRuntime):
 
     def __init__(self, node: CachedMapper[Any]) -> None:
         super().__init__(node.client, node.namespace, node.ttl, node.codec, node.on_error,
-                         None)
+                         None, node._reports, node.l1_bytes, self.stats)
         self.node = node
         self.source: ReadSource | None = None
         self.thread = 0
@@ -125,6 +129,14 @@ class _NodeRuntime(CacheRuntime):
                                                                    mp_context=ctx)
         return self.pool
 
+    def stats(self) -> dict[str, int]:
+        """This process's counters: the cache's and the node's own."""
+        total = self.cache.stats()
+        total.setdefault("computed", 0)
+        for name, value in self.node._counts.items():
+            total[name] = total.get(name, 0) + value
+        return total
+
     def close(self, timeout: float) -> None:
         sources = [self.source] if self.source is not None else []
         for source in sources:
@@ -146,6 +158,7 @@ class CachedMapper(BaseNode[T]):
     (0: one item at a time). ``num_workers``: threads (``method="thread"``) or processes
     (``"process"``, ``map_fn`` must then pickle) that compute misses as soon as
     read-ahead finds them; 0 computes them in the calling thread when reached.
+    ``l1_bytes``: an in-process LRU of encoded values in front of the store.
     ``key_fn(item)``: the cache key of an item (default: the item itself, e.g. the
     index a ``SamplerWrapper`` yields). ``snapshot_frequency``: how often (in items) the
     source's state is recorded for :meth:`get_state`; resuming skips at most that many
@@ -171,6 +184,7 @@ class CachedMapper(BaseNode[T]):
         method: Literal["thread", "process"] = "thread",
         multiprocessing_context: str | None = None,
         snapshot_frequency: int = 1,
+        l1_bytes: int | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(source, BaseNode):
@@ -198,7 +212,11 @@ class CachedMapper(BaseNode[T]):
         self.method = method
         self.multiprocessing_context = multiprocessing_context
         self.snapshot_frequency = snapshot_frequency
-        probe = AsyncKVCache(client, self.namespace, ttl, codec, on_error)  # validates now
+        self.l1_bytes = l1_bytes
+        probe = AsyncKVCache(client, self.namespace, ttl, codec, on_error,  # validates now
+                             l1_bytes=l1_bytes)
+        self._reports = Reports(secrets.token_hex(8))
+        self._reports.bind(self)
         self._prefix = probe.prefix
         self._max_key_size = probe.max_key_size
         self._strict = on_error == "raise"
@@ -384,18 +402,22 @@ class CachedMapper(BaseNode[T]):
         self._unsent = []
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def stats(self) -> dict[str, int]:
+    def stats(self, per_process: bool = False) -> Any:
         """The cache's counters plus the node's: hits, misses, prefetch_hits, stalls,
-        computed (computed_ahead of them by the workers), ..."""
+        computed (computed_ahead of them by the workers), ... In the process that built
+        the node, summed over every copy of it (DataLoader workers; see the pipe's
+        ``stats``); ``per_process=True`` gives ``{pid: counters}``."""
         rt = self._rt
         if rt is None or not rt.current():
-            total = AsyncKVCache(self.client, self.namespace).stats()
+            local = AsyncKVCache(self.client, self.namespace).stats()
+            local.setdefault("computed", 0)
+            for name, value in self._counts.items():
+                local[name] = local.get(name, 0) + value
         else:
-            total = rt.cache.stats()
-        total.setdefault("computed", 0)
-        for name, value in self._counts.items():
-            total[name] = total.get(name, 0) + value
-        return total
+            local = rt.stats()
+        if per_process:
+            return {os.getpid(): local, **self._reports.others()}
+        return self._reports.total(local)
 
     def flush(self, timeout: float = EPOCH_FLUSH_TIMEOUT) -> None:
         if self._rt is not None:
@@ -416,3 +438,45 @@ class CachedMapper(BaseNode[T]):
     def __repr__(self) -> str:
         return (f"CachedMapper({type(self.source).__name__}, {self.client!r}, "
                 f"prefetch={self.prefetch}, namespace={self.namespace!r})")
+
+
+class NodeIterable(IterableDataset):  # type: ignore[misc]
+    """A node as a stateful ``IterableDataset``, for ``DataLoader`` and
+    ``StatefulDataLoader`` (with workers too).
+
+    ``make_node(worker_id, num_workers)`` builds the node of one worker (``0, 1`` without
+    workers), e.g. over that worker's shard of the sampler. ``state_dict()`` /
+    ``load_state_dict()`` delegate to a ``torchdata.nodes.Loader`` over it, so a
+    StatefulDataLoader resumes each worker exactly where it was.
+    """
+
+    def __init__(self, make_node: Callable[[int, int], BaseNode[Any]]) -> None:
+        super().__init__()
+        self.make_node = make_node
+        self._loader: Loader[Any] | None = None
+        self._state: dict[str, Any] | None = None
+
+    def _current(self) -> Loader[Any]:
+        if self._loader is None:
+            info = get_worker_info()
+            worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+            self._loader = Loader(self.make_node(worker, workers))
+            if self._state is not None:
+                self._loader.load_state_dict(self._state)
+                self._state = None
+        return self._loader
+
+    def __iter__(self) -> Any:
+        yield from self._current()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._current().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._state = state_dict
+        self._loader = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_loader"] = None
+        return state

@@ -22,7 +22,7 @@ from .codec import Codec
 from .core import AsyncKVCache, OnError
 from .errors import StoreError
 from .loop import LoopThread, get_loop_thread
-from .sources import LoopSource, ReadSource, SocketSource
+from .sources import L1Source, LoopSource, ReadSource, SocketSource
 
 __all__ = ["CacheRuntime", "Reports"]
 
@@ -66,12 +66,13 @@ class CacheRuntime:
 
     def __init__(self, client: BaseClient[Any], namespace: str, ttl: float | None,
                  codec: Codec | None, on_error: OnError, lease: float | None,
-                 reports: Reports | None = None,
+                 reports: Reports | None = None, l1_bytes: int | None = None,
                  snapshot: Callable[[], dict[str, int]] | None = None) -> None:
         self.fork_generation = _fork.generation
         self.client = client
         self.loop: LoopThread = get_loop_thread()
-        self.cache = AsyncKVCache(client, namespace, ttl, codec, on_error, lease=lease)
+        self.cache = AsyncKVCache(client, namespace, ttl, codec, on_error, lease=lease,
+                                  l1_bytes=l1_bytes)
         self.lease = lease
         self.lock = threading.Lock()
         self.writes: dict[bytes, bytes] = {}
@@ -112,9 +113,12 @@ class CacheRuntime:
         there would stall (or, through the loop, deadlock) every pipe of the process."""
         self.loop.check_caller()
         reads = self.client.consumer_reads()
+        source: ReadSource
         if reads is not None:
-            return SocketSource(self.cache, reads, self.loop)
-        return LoopSource(self.cache, self.loop, wait_timeout=self.client.timeout * 2 + 0.5)
+            source = SocketSource(self.cache, reads, self.loop)
+        else:
+            source = LoopSource(self.cache, self.loop, wait_timeout=self.client.timeout * 2 + 0.5)
+        return L1Source(source, self.cache) if self.cache.l1 is not None else source
 
     # -- misses ------------------------------------------------------------------------
     def compute(self, wanted: Mapping[bytes, Any], fn: Callable[[Any], Any], *,
