@@ -161,8 +161,10 @@ class CachedMapper(BaseNode[T]):
     ``l1_bytes``: an in-process LRU of encoded values in front of the store.
     ``key_fn(item)``: the cache key of an item (default: the item itself, e.g. the
     index a ``SamplerWrapper`` yields). ``snapshot_frequency``: how often (in items) the
-    source's state is recorded for :meth:`get_state`; resuming skips at most that many
-    items.
+    source's state is recorded for :meth:`get_state`; resuming pulls (and drops) at most
+    that many items from the source, without ``map_fn``. Recording it costs more than the
+    cached read of an item (64: ~4.5x the items/s of 1 over a ``SamplerWrapper``); give 1
+    when the source itself is expensive to run forward.
     """
 
     SNAPSHOT_KEY = "snapshot"
@@ -183,7 +185,7 @@ class CachedMapper(BaseNode[T]):
         num_workers: int = 0,
         method: Literal["thread", "process"] = "thread",
         multiprocessing_context: str | None = None,
-        snapshot_frequency: int = 1,
+        snapshot_frequency: int = 64,
         l1_bytes: int | None = None,
     ) -> None:
         super().__init__()
