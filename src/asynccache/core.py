@@ -52,6 +52,7 @@ from .errors import (
 )
 from .health import FailurePolicy, OnError
 from .keys import check_namespace, chunk_keys, encode_key, lease_key, namespace_prefix
+from .l1 import L1Cache
 from .stats import Counters
 
 __all__ = ["MISSING", "NOT_READ", "AsyncKVCache", "Failed", "Key", "OnError"]
@@ -129,6 +130,7 @@ class AsyncKVCache:
         max_in_flight: int = 4,
         max_pending_writes: int = 10_000,
         lease: float | None = None,
+        l1_bytes: int | None = None,
     ) -> None:
         if not isinstance(client, BaseClient):
             raise ConfigError(
@@ -138,6 +140,9 @@ class AsyncKVCache:
             raise ConfigError(f"on_error must be 'fallback' or 'raise', got {on_error!r}")
         if ttl is not None and ttl <= 0:
             raise ConfigError(f"ttl must be a positive number of seconds or None, got {ttl!r}")
+        if l1_bytes is not None and (type(l1_bytes) is not int or l1_bytes <= 0):
+            raise ConfigError(f"l1_bytes must be a positive int (bytes of encoded values "
+                              f"kept in this process) or None, got {l1_bytes!r}")
         if lease is not None and (not isinstance(lease, int | float) or lease <= 0):
             raise ConfigError(f"lease must be a positive number of seconds (the longest a "
                               f"compute may take) or None, got {lease!r}")
@@ -150,6 +155,8 @@ class AsyncKVCache:
         self.max_key_size = max_key_size
         self.max_pending_writes = max_pending_writes
         self.lease = lease
+        #: the in-process tier in front of the store (``l1_bytes``), fed by every decode
+        self.l1 = L1Cache(l1_bytes) if l1_bytes else None
         self.prefix = namespace_prefix(self.namespace)
         self._max_in_flight = max_in_flight
         self.counters = Counters()
@@ -220,6 +227,7 @@ class AsyncKVCache:
         out: list[Any] = [MISSING] * len(blobs)
         manifests: dict[int, ChunkManifest] = {}
         decode = self.codec.decode
+        l1 = self.l1
         nbytes = 0
         for i, blob in enumerate(blobs):
             if blob is None:
@@ -237,8 +245,33 @@ class AsyncKVCache:
                 manifests[i] = value  # MISSING until its chunks are read
             else:
                 out[i] = value
+                if l1 is not None:
+                    l1.put(store_keys[i], bytes(blob))
         self.counters.shard()["bytes_read"] += nbytes
         return out, manifests
+
+    def from_l1(self, store_keys: Sequence[bytes]) -> tuple[list[Any], list[int]]:
+        """Values the L1 tier holds (decoded afresh, ``NOT_READ`` where it has none) and
+        the positions it had nothing for. Any thread."""
+        l1 = self.l1
+        if l1 is None:
+            return [NOT_READ] * len(store_keys), list(range(len(store_keys)))
+        values: list[Any] = [NOT_READ] * len(store_keys)
+        missing = []
+        decode = self.codec.decode
+        for i, key in enumerate(store_keys):
+            blob = l1.get(key)
+            if blob is None:
+                missing.append(i)
+                continue
+            try:
+                values[i] = decode(blob, key)
+            except DecodeError:  # cannot happen for bytes we decoded before; be safe
+                missing.append(i)
+        hits = len(store_keys) - len(missing)
+        if hits:
+            self.counters.shard()["l1_hits"] += hits
+        return values, missing
 
     def _decode_failed(self, store_key: bytes, exc: DecodeError) -> Any:
         error = type(exc)(f"key {store_key!r}: {exc}")
@@ -261,14 +294,33 @@ class AsyncKVCache:
             if any(p is None or p is NOT_READ for p in parts):
                 continue  # a chunk was evicted (or not read): the whole value is a miss
             try:
-                out[i] = self.codec.decode(join_chunks(parts, manifests[i]), store_keys[i])
+                joined = join_chunks(parts, manifests[i])
+                out[i] = self.codec.decode(joined, store_keys[i])
             except DecodeError as exc:
                 out[i] = self._decode_failed(store_keys[i], exc)
+                continue
+            if self.l1 is not None:
+                self.l1.put(store_keys[i], joined)
 
     async def read_values(self, store_keys: Sequence[bytes]
                           ) -> tuple[list[Any], StoreError | None]:
         """Decoded values (with the markers of the module docstring) and the first store
-        failure. The whole read path of the loop thread; never raises for the store."""
+        failure. The whole read path of the loop thread; never raises for the store.
+        Keys the L1 tier holds are not asked for."""
+        if self.l1 is not None:
+            values, missing = self.from_l1(store_keys)
+            if not missing:
+                return values, None
+            if len(missing) < len(store_keys):
+                asked = [store_keys[i] for i in missing]
+                found, error = await self.read_values_from_store(asked)
+                for i, value in zip(missing, found):
+                    values[i] = value
+                return values, error
+        return await self.read_values_from_store(store_keys)
+
+    async def read_values_from_store(self, store_keys: Sequence[bytes]
+                                     ) -> tuple[list[Any], StoreError | None]:
         blobs, error = await self.read_blobs(store_keys)
         values, manifests = self.decode_blobs(store_keys, blobs)
         if manifests:
@@ -362,6 +414,8 @@ class AsyncKVCache:
         codec = self.codec
         for store_key, value in mapping.items():
             blob = codec.encode(value, store_key)
+            if self.l1 is not None:
+                self.l1.put(store_key, blob)  # a computed item reused soon is an L1 hit
             if limit is None or len(blob) <= limit:
                 entries[store_key] = blob
                 continue

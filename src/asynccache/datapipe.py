@@ -30,10 +30,12 @@ Keys: ``key_for(i) == b"ac:" + namespace + b":" + str(i)`` for an int index.
 
 from __future__ import annotations
 
-import concurrent.futures
+import copy
 import hashlib
 import operator
 import os
+import secrets
+import sys
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -44,11 +46,10 @@ from ._fork import park_inherited
 from .clients.base import BaseClient
 from .codec import Codec
 from .core import MISSING, AsyncKVCache, OnError
-from .errors import ConfigError, KeyTooLong, StoreError
+from .errors import ConfigError, KeyTooLong
 from .keys import encode_key
-from .loop import LoopThread, get_loop_thread
 from .prefetch import Prefetcher
-from .sources import LoopSource, ReadSource, SocketSource
+from .runtime import CacheRuntime, Reports
 
 try:  # torch is optional: without it the class is a plain map-style wrapper
     from torch.utils.data import MapDataPipe as _Base
@@ -113,30 +114,68 @@ def _as_list(order: Iterable[Any]) -> list[Any]:
     return items if isinstance(items, list) else [items]
 
 
-class _Runtime:
-    """Per-process state: loop thread, per-thread prefetchers, pending writes. Never pickled."""
+def _worker_info() -> Any:
+    """torch's DataLoader worker info in a worker process, else None."""
+    get = getattr(sys.modules.get("torch.utils.data"), "get_worker_info", None)
+    return get() if get is not None else None
+
+
+def _one_pass(order: Iterable[Any]) -> list[Any]:
+    """One epoch of ``order``.
+
+    In a DataLoader worker the worker's own copy of the order is iterated: the worker was
+    made (forked, or unpickled) from the parent's state just before the parent draws the
+    epoch's permutation from the same generator, so both draw the same one, epoch after
+    epoch (with persistent workers too). Anywhere else a *detached* copy is iterated, so
+    that asking for the plan never advances the user's sampler or torch's global random
+    state: the cache must not change the training order.
+    """
+    if _worker_info() is not None:
+        return _as_list(order)
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return _as_list(order)
+    state = torch.get_rng_state()  # a sampler without a generator draws from it
+    try:
+        return _as_list(_detached(order, torch))
+    finally:
+        torch.set_rng_state(state)
+
+
+def _detached(order: Any, torch: Any) -> Any:
+    """A shallow copy of a sampler (and of the sampler it wraps) with cloned generators."""
+    generator = getattr(order, "generator", None)
+    inner = getattr(order, "sampler", None)
+    if not isinstance(generator, torch.Generator) and inner is None:
+        return order
+    clone = copy.copy(order)
+    if isinstance(generator, torch.Generator):
+        twin = torch.Generator(device=generator.device)
+        twin.set_state(generator.get_state())
+        clone.generator = twin
+    if inner is not None and inner is not order:
+        clone.sampler = _detached(inner, torch)
+    return clone
+
+
+class _Runtime(CacheRuntime):
+    """A pipe's runtime: the shared parts plus one prefetcher per consumer thread."""
 
     def __init__(self, pipe: AsyncKVCacheMapDataPipe) -> None:
+        super().__init__(pipe.client, pipe.namespace, pipe.ttl, pipe.codec, pipe.on_error,
+                         pipe.lease, pipe._reports, pipe.l1_bytes, self.stats)
         self.pipe = pipe
-        self.fork_generation = _fork.generation
         self.length = len(pipe)
-        self.loop: LoopThread = get_loop_thread()
-        self.cache = AsyncKVCache(pipe.client, pipe.namespace, pipe.ttl, pipe.codec,
-                                  pipe.on_error, lease=pipe.lease)
         #: ``0 <= i < fast_length`` means "an int index needing no normalization"
         self.fast_length = self.length if pipe._mapping is None else -1
         self.local = threading.local()
-        self.lock = threading.Lock()
         #: every thread's prefetcher (for stats and close); ended threads' are folded
         self.prefetchers: list[tuple[weakref.ref[threading.Thread], Prefetcher]] = []
         self.retired = Prefetcher.zero_counts()
-        self.writes: dict[bytes, bytes] = {}
-        self.write_scheduled = False
-        self.loop.call_soon(self.cache.client.retain)
-
-    def current(self) -> bool:
-        """False in a forked child: this runtime (loop, sockets) is the parent's."""
-        return self.fork_generation == _fork.generation
+        #: the last pass over the order (its batches), and the DataLoader's batch size
+        #: as the first __getitems__ showed it: what a worker's share is cut from
+        self.drawn: list[Any] | None = None
+        self.batch_size: int | None = None
 
     # -- per-thread read state -----------------------------------------------------------
     def prefetcher(self) -> Prefetcher:
@@ -153,18 +192,10 @@ class _Runtime:
                 p.stale_order = True
 
     def _new_prefetcher(self) -> Prefetcher:
-        # Never for the loop thread itself: a blocking read there would stall (or, through
-        # the loop, deadlock) every pipe of the process. Checked once per thread.
-        self.loop.check_caller()
-        pipe, cache = self.pipe, self.cache
-        reads = pipe.client.consumer_reads()
-        source: ReadSource
-        if reads is not None:
-            source = SocketSource(cache, reads, self.loop)
-        else:
-            source = LoopSource(cache, self.loop, wait_timeout=pipe.client.timeout * 2 + 0.5)
+        pipe = self.pipe
+        source = self.new_source()
         length = None if pipe._mapping is not None else self.length
-        p = Prefetcher(source, pipe.key_for, length, pipe.prefetch, cache.policy.strict)
+        p = Prefetcher(source, pipe.key_for, length, pipe.prefetch, self.cache.policy.strict)
         p.follow_order = pipe._follow_order
         p.stale_order = True  # its first read follows the pipe's order
         self.local.prefetcher = p
@@ -195,45 +226,20 @@ class _Runtime:
                     total[name] += value
         return total
 
-    def close_prefetchers(self) -> None:
+    def stats(self) -> dict[str, int]:
+        """This process's counters: the cache's and every thread's prefetcher's."""
+        total = self.cache.stats()
+        total.setdefault("computed", 0)
+        for name, value in self.counts().items():
+            total[name] = total.get(name, 0) + value
+        return total
+
+    def close(self, timeout: float) -> None:
         with self.lock:
-            for _ref, p in self.prefetchers:
-                p.close()
-
-    # -- writes ------------------------------------------------------------------------
-    def queue_writes(self, entries: dict[bytes, bytes]) -> None:
-        with self.lock:
-            self.writes.update(entries)
-            if self.write_scheduled:
-                return
-            self.write_scheduled = True
-        self.loop.call_soon(self._hand_over)
-
-    def _hand_over(self) -> None:  # loop thread
-        with self.lock:
-            entries, self.writes, self.write_scheduled = self.writes, {}, False
-        if entries:
-            self.cache.write_behind(entries)
-
-    async def write_then_release(self, entries: dict[bytes, bytes], keys: list[bytes]) -> None:
-        """Write computed values now, then drop their leases (waiters see the value)."""
-        try:
-            await self.cache.write_entries(entries)
-        except StoreError:
-            pass  # raise mode: counted by the policy; a pipe's writes never raise
-        await self.cache.release_leases(keys)
-
-    async def finish(self, close: bool) -> None:
-        """Write what is queued; with ``close``, also close this loop's connections."""
-        self._hand_over()
-        if close:
-            with self.lock:
-                sources = [p.source for _ref, p in self.prefetchers]
-            for source in sources:
-                await source.cancel_pending()
-        await self.cache.flush()
-        if close:
-            await self.cache.client.release()
+            prefetchers = [p for _ref, p in self.prefetchers]
+        for p in prefetchers:
+            p.close()
+        self.finish(close=True, timeout=timeout, sources=[p.source for p in prefetchers])
 
 
 class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
@@ -244,7 +250,9 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
     iterator (which is consumed once, here, and reused every epoch); it is re-iterated
     when used up. ``prefetch=0`` disables read-ahead. ``lease`` (seconds): each miss
     is computed by one process while the others wait for its value (see
-    :class:`~asynccache.core.AsyncKVCache`).
+    :class:`~asynccache.core.AsyncKVCache`). ``l1_bytes``: an in-process LRU of that many
+    bytes of encoded values in front of the store, for items reused within a process
+    (counted as ``l1_hits``).
     """
 
     def __init__(
@@ -259,6 +267,7 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         order: Iterable[Any] | None = None,
         *,
         lease: float | None = None,
+        l1_bytes: int | None = None,
     ) -> None:
         if not hasattr(source, "__getitem__") or not hasattr(source, "__len__"):
             raise ConfigError(
@@ -275,10 +284,14 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         self.codec = codec
         self.on_error: OnError = on_error
         self.lease = lease
+        self.l1_bytes = l1_bytes
         self._mapping = _mapping_behind(source)
         self.order = self._check_order(order)
         # Validates namespace / client / on_error now, in the caller, not in a worker.
-        probe = AsyncKVCache(client, self.namespace, ttl, codec, on_error, lease=lease)
+        probe = AsyncKVCache(client, self.namespace, ttl, codec, on_error, lease=lease,
+                             l1_bytes=l1_bytes)
+        self._reports = Reports(secrets.token_hex(8))
+        self._reports.bind(self)
         self._prefix = probe.prefix
         self._max_key_size = probe.max_key_size
         self._rt: _Runtime | None = None
@@ -362,19 +375,43 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
                               "order=None to let asynccache detect sequential reads")
         return order
 
-    def _plan_from(self, order: Iterable[Any]) -> list[Any]:
+    def _plan_from(self, items: list[Any]) -> list[Any]:
         try:
-            return [self._normalize(i) for i in _as_list(order)]
+            return [self._normalize(i) for i in items]
         except (IndexError, TypeError) as exc:
             raise ConfigError(f"order contains an index this dataset does not have: "
                               f"{exc}") from exc
 
+    def _process_plan(self, items: list[Any], rt: _Runtime) -> list[Any]:
+        """This process's plan from one pass over the order.
+
+        In a DataLoader worker it is the worker's share: the DataLoader hands batches to
+        workers round-robin, so worker ``w`` of ``W`` gets batches ``w, w+W, ...``. The
+        batches are the order's own when it yields lists (a batch sampler), else the
+        order cut into batches of the size of the first ``__getitems__`` call.
+        """
+        batches: list[Any] | None = items if items and type(items[0]) is list else None
+        worker = _worker_info()
+        if worker is not None and batches is None and rt.batch_size:
+            size = rt.batch_size
+            batches = [items[i:i + size] for i in range(0, len(items), size)]
+        if batches is None:
+            return self._plan_from(items)
+        if worker is not None:
+            batches = batches[worker.id::worker.num_workers]
+        return self._plan_from([i for batch in batches for i in batch])
+
     def _follow_order(self, p: Prefetcher) -> None:
         order = self.order
-        if order is None:
+        rt = self._rt
+        if order is None or rt is None:
             return
-        plan = self._plan_from(order)
-        p.set_plan(plan, lambda: self._plan_from(order))
+
+        def next_epoch() -> list[Any]:
+            rt.drawn = _one_pass(order)
+            return self._process_plan(rt.drawn, rt)
+
+        p.set_plan(next_epoch(), next_epoch)
 
     # -- map-style protocol --------------------------------------------------------------------
     def __getitem__(self, index: Any) -> Any:
@@ -396,7 +433,13 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         """A whole batch with one store request; misses computed and written back."""
         rt = self._runtime()
         indices = [self._normalize(i) for i in indices]
-        values = rt.prefetcher().take_many(indices)
+        p = rt.prefetcher()
+        if rt.batch_size is None:
+            rt.batch_size = len(indices)
+            if rt.drawn is not None and _worker_info() is not None:
+                # a flat order in a DataLoader worker: now its share can be cut out
+                p.set_plan(self._process_plan(rt.drawn, rt), p.replan)
+        values = p.take_many(indices)
         missing = [i for i, v in zip(indices, values) if v is MISSING]
         if missing:
             computed = self._compute(missing, rt, wait=True)
@@ -404,65 +447,15 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         return values
 
     def _compute(self, indices: list[Any], rt: _Runtime, wait: bool = False) -> dict[Any, Any]:
-        """Compute misses in this thread and queue them for writing.
-
-        With ``wait`` (whole batches, as the DataLoader asks for them) the batch is
-        written with pipelined requests and the call returns once they are
-        acknowledged (about one round trip per batch): a worker that hands back a batch
-        has made it visible to every other worker. That is what makes epoch 2 compute
-        nothing even with persistent workers. Single ``dp[i]`` reads only queue
-        (write-behind); ``close()``/``flush()`` wait.
-        """
-        if self.lease is not None:
-            return self._compute_once(list(dict.fromkeys(indices)), rt)
-        computed = {i: self.source[i] for i in dict.fromkeys(indices)}
-        rt.cache.counters.add("computed", len(computed))
-        rt.queue_writes(rt.cache.encode_entries({self.key_for(i): v for i, v in computed.items()}))
-        if wait:
-            self._finish(rt, close=False, timeout=max(self.client.timeout * 2, 1.0))
-        return computed
-
-    def _compute_once(self, indices: list[Any], rt: _Runtime) -> dict[Any, Any]:
-        """Misses under ``lease``: take the leases (one round trip), compute and write
-        what is ours, wait for the others' values; a lease that frees up while waiting
-        (its holder died) is ours too."""
-        cache, loop = rt.cache, rt.loop
-        bound = self.client.timeout * 3 + 1
-        keys = {self.key_for(i): i for i in indices}
-        try:
-            taken = loop.call(cache.acquire_leases(list(keys)), bound)
-        except concurrent.futures.TimeoutError:
-            taken = [True] * len(keys)
-        computed = self._compute_mine([i for i, ok in zip(indices, taken) if ok], rt)
-        theirs = [k for k, ok in zip(keys, taken) if not ok]
-        if theirs:
-            try:
-                found, mine = loop.call(
-                    cache.wait_for_values(theirs),
-                    self.lease + self.client.expiry_slack + bound)  # type: ignore[operator]
-            except concurrent.futures.TimeoutError:
-                found, mine = {}, theirs
-            computed.update((keys[k], v) for k, v in found.items())
-            computed.update(self._compute_mine([keys[k] for k in mine], rt))
-        return computed
-
-    def _compute_mine(self, indices: list[Any], rt: _Runtime) -> dict[Any, Any]:
-        if not indices:
-            return {}
-        computed = {i: self.source[i] for i in indices}
-        rt.cache.counters.add("computed", len(computed))
-        entries = rt.cache.encode_entries({self.key_for(i): v for i, v in computed.items()})
-        keys = [self.key_for(i) for i in indices]
-        try:
-            rt.loop.call(rt.write_then_release(entries, keys), self.client.timeout * 3 + 1)
-        except concurrent.futures.TimeoutError:
-            rt.cache.count("writes_dropped", len(entries))
-        return computed
+        """Compute misses in this thread and write them back (see CacheRuntime.compute)."""
+        wanted = {self.key_for(i): i for i in dict.fromkeys(indices)}
+        computed = rt.compute(wanted, self.source.__getitem__, wait=wait)
+        return {wanted[key]: value for key, value in computed.items()}
 
     def __iter__(self) -> Iterator[Any]:
         rt = self._runtime()
         if self.order is not None:
-            plan: Sequence[Any] = self._plan_from(self.order)
+            plan: Sequence[Any] = self._plan_from(_one_pass(self.order))
         elif self._mapping is not None:
             plan = list(self._mapping.keys())
         else:
@@ -478,21 +471,31 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         self._runtime().order_changed()
 
     # -- lifecycle -------------------------------------------------------------------------
-    def stats(self) -> dict[str, int]:
-        """hits, misses, errors, prefetch_hits, stalls, computed, bytes_read, ... (ints)."""
+    def stats(self, per_process: bool = False) -> Any:
+        """hits, misses, errors, prefetch_hits, stalls, computed, bytes_read, ... (ints).
+
+        In the process that built the pipe: the sum over every copy of it — this
+        process's and those of DataLoader workers, as of their last report (at most about
+        a second old; final once they exited). In a worker: that worker's own.
+        ``per_process=True``: ``{pid: counters}`` instead of the sum.
+        """
+        local = self._local_stats()
+        if per_process:
+            return {os.getpid(): local, **self._reports.others()}
+        return self._reports.total(local)
+
+    def _local_stats(self) -> dict[str, int]:
         rt = self._rt
         if rt is None or not rt.current():  # nothing happened in this process yet
             return {**AsyncKVCache(self.client, self.namespace).stats(),
                     **Prefetcher.zero_counts(), "computed": 0}
-        total = rt.cache.stats()
-        total.setdefault("computed", 0)
-        for name, value in rt.counts().items():
-            total[name] = total.get(name, 0) + value
-        return total
+        return rt.stats()
 
     def flush(self, timeout: float = CLOSE_TIMEOUT) -> None:
         """Wait until pending write-behind entries are in the store (bounded)."""
-        self._finish(self._rt, close=False, timeout=timeout)
+        rt = self._rt
+        if rt is not None:
+            rt.flush(timeout)
 
     def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
         """Flush pending writes, then close this process's connections (bounded).
@@ -500,22 +503,11 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         The client stays usable (it reconnects lazily), and so does the pipe.
         """
         rt, self._rt = self._rt, None
-        self._finish(rt, close=True, timeout=timeout)
-
-    def _finish(self, rt: _Runtime | None, *, close: bool, timeout: float) -> None:
-        if rt is None or not rt.current() or rt.loop.closed:
-            return
-        if close:
-            rt.close_prefetchers()
-        try:
-            rt.loop.call(rt.finish(close), timeout)
-        except (TimeoutError, StoreError) as exc:
-            rt.cache.count("writes_dropped", len(rt.writes))
-            rt.cache.policy.log.report("flush", exc, self.client.safe_url)
+        if rt is not None and rt.current():
+            rt.close(timeout)
 
     def _on_loop_shutdown(self) -> None:
-        rt, self._rt = self._rt, None
-        self._finish(rt, close=True, timeout=CLOSE_TIMEOUT)
+        self.close()
 
     def __enter__(self) -> AsyncKVCacheMapDataPipe:
         return self

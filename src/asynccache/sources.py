@@ -38,14 +38,14 @@ from .core import AsyncKVCache
 from .errors import CacheError, LoopError, StoreError
 from .loop import LoopThread
 
-__all__ = ["LoopSource", "ReadSource", "SocketSource", "Ticket"]
+__all__ = ["L1Source", "LoopSource", "ReadSource", "SocketSource", "Ticket"]
 
 
 class Ticket:
     """One read of a batch of keys, from submission to its values."""
 
     __slots__ = ("abandoned", "deadline", "direct", "done", "error", "generation", "indices",
-                 "keys", "partial", "remaining", "values")
+                 "keys", "parent", "partial", "remaining", "values")
 
     def __init__(self, indices: list[Any], keys: list[bytes], *, direct: bool = False,
                  generation: int = 0) -> None:
@@ -60,6 +60,8 @@ class Ticket:
         self.abandoned = False        # the consumer stopped waiting: ignore its result
         self.deadline = 0.0
         self.remaining = 0            # parts still on the wire (SocketSource)
+        #: (the ticket this one reads the rest of, positions there): L1Source
+        self.parent: tuple[Ticket, list[int]] | None = None
 
 
 class ReadSource(ABC):
@@ -274,3 +276,76 @@ class LoopSource(ReadSource):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class L1Source(ReadSource):
+    """The L1 tier in front of another source: keys the process holds are served from
+    memory (decoded afresh); only the others go to ``inner``, as a ticket of their own
+    that is merged back into the one the prefetcher knows."""
+
+    def __init__(self, inner: ReadSource, cache: AsyncKVCache) -> None:
+        self.inner = inner
+        self.cache = cache
+        self.completed: list[Ticket] = []
+        self.rest: dict[int, Ticket] = {}  # id(ticket) -> the ticket reading its misses
+
+    def submit(self, ticket: Ticket) -> None:
+        values, missing = self.cache.from_l1(ticket.keys)
+        if not missing:
+            ticket.values = values
+            ticket.done = True
+            self.completed.append(ticket)
+            return
+        if len(missing) == len(ticket.keys):
+            self.inner.submit(ticket)
+            return
+        ticket.values = values
+        rest = Ticket([ticket.indices[i] for i in missing], [ticket.keys[i] for i in missing],
+                      direct=ticket.direct, generation=ticket.generation)
+        rest.parent = (ticket, missing)
+        self.rest[id(ticket)] = rest
+        self.inner.submit(rest)
+
+    def _merged(self, ticket: Ticket) -> Ticket | None:
+        """The ticket to hand back for one ``inner`` completed: itself, or its parent
+        (once: None if the parent was already merged by a wait)."""
+        if ticket.parent is None:
+            return ticket
+        parent, positions = ticket.parent
+        if self.rest.pop(id(parent), None) is None:
+            return None
+        for position, value in zip(positions, ticket.values):
+            parent.values[position] = value
+        parent.error = ticket.error
+        parent.partial = ticket.partial
+        parent.done = True
+        return parent
+
+    def poll(self) -> list[Ticket]:
+        out, self.completed = self.completed, []
+        for ticket in self.inner.poll():
+            merged = self._merged(ticket)
+            if merged is not None:
+                out.append(merged)
+        return out
+
+    def wait(self, ticket: Ticket) -> bool:
+        if ticket.done:
+            return True
+        rest = self.rest.get(id(ticket))
+        if rest is None:
+            return self.inner.wait(ticket)
+        if not self.inner.wait(rest):
+            return False
+        merged = self._merged(rest)
+        if merged is not None:
+            self.completed.append(merged)
+        return True
+
+    def close(self) -> None:
+        self.inner.close()
+        self.rest.clear()
+        self.completed.clear()
+
+    async def cancel_pending(self) -> None:
+        await self.inner.cancel_pending()

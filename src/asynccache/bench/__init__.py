@@ -15,7 +15,9 @@ MGET loop, layer by layer), ``datapipe`` (the pipe's read paths against the same
 a naive client and a dict), ``latency`` (the three read paths by value size, batch size
 and prefetch depth on Redis, Valkey and memcached, with six peers in the same run),
 ``network`` (the same through a loopback proxy that adds round-trip latency) and
-``dataloader`` (DataLoader memory, sharing and epoch time; written separately).
+``dataloader`` (DataLoader memory, sharing and epoch time; written separately) and
+``workers`` (warm shuffled epochs with 2 and 4 workers, with and without read-ahead that
+follows the sampler, at loopback and +1 ms; the node against the pipe and a plain Mapper).
 
 Method, everywhere: values are written once, then read warm. Every case gets warm-up
 runs, then the cases of one comparison are timed round-robin (A B C A B C ...) so that
@@ -30,4 +32,4 @@ from __future__ import annotations
 __all__ = ["MODULES"]
 
 #: benchmark modules in the order a full run goes through them
-MODULES = ("core", "datapipe", "latency", "network", "dataloader")
+MODULES = ("core", "datapipe", "latency", "network", "dataloader", "workers")

@@ -89,6 +89,11 @@ class BlockingRespConnection:
             self.sock.close()
         self.sock = None
 
+    def __del__(self) -> None:
+        # A consumer thread's connection dies with its owner (a pipe or node that was
+        # dropped without close(), a thread that ended): close the socket, quietly.
+        self.close()
+
     # -- requests ---------------------------------------------------------------------
     def send_get(self, keys: Sequence[bytes]) -> None:
         """Queue one MGET; its reply comes back, in order, from :meth:`poll`/:meth:`receive`."""

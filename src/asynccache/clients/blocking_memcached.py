@@ -126,6 +126,11 @@ class BlockingMemcachedConnection:
             self.sock.close()
         self.sock = None
 
+    def __del__(self) -> None:
+        # A consumer thread's connection dies with its owner (a pipe or node that was
+        # dropped without close(), a thread that ended): close the socket, quietly.
+        self.close()
+
     # -- requests ---------------------------------------------------------------------
     def send_get(self, keys: Sequence[bytes]) -> None:
         """Queue one multi-get; its values come back, in order, from :meth:`poll` /

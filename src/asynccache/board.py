@@ -1,0 +1,83 @@
+"""Counters of every copy of one pipe or node, across the processes of a job.
+
+A DataLoader copies the dataset into each worker process; the counters users want most
+(the hit rate) are then spread over processes the training loop never sees. Each copy
+outside the process that built the pipe writes its counters, at most about once a
+second and once more when it exits, to a small file of its own in a directory named
+after the pipe; the building process sums them in ``stats()``.
+
+Why files in shared memory (``/dev/shm`` when writable, else the temp dir) and not the
+store or a pipe: they work when the store is down (when the error counters matter
+most), survive the worker that wrote them (the final numbers of a non-persistent
+worker are still there after it exited), need no message loop in the parent, and cost
+one small atomic write per second per worker. They are local to the machine, as a
+DataLoader's workers are. The directory is removed when the building process lets go
+of the pipe (or exits); directories of crashed jobs older than a day are swept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["REPORT_INTERVAL", "StatsBoard"]
+
+#: Seconds between two reports of one process (the "at most about a second old").
+REPORT_INTERVAL = 1.0
+_STALE_AFTER = 24 * 3600
+
+
+def _base_dir() -> Path:
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        return shm
+    return Path(tempfile.gettempdir())
+
+
+class StatsBoard:
+    """Where the copies of one pipe or node publish their counters."""
+
+    def __init__(self, board_id: str) -> None:
+        self.board_id = board_id
+        self.root = _base_dir() / f"asynccache-stats-{os.getuid()}"
+        self.directory = self.root / board_id
+
+    def publish(self, counters: dict[str, int]) -> None:
+        """Write this process's counters (atomically: readers never see half a file)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        final = self.directory / f"{os.getpid()}.json"
+        partial = self.directory / f".{os.getpid()}.tmp"
+        partial.write_text(json.dumps(counters))
+        os.replace(partial, final)
+
+    def collect(self) -> dict[int, dict[str, int]]:
+        """The latest counters of every other process that published, by pid."""
+        found: dict[int, dict[str, int]] = {}
+        own = os.getpid()
+        with contextlib.suppress(FileNotFoundError):
+            for path in self.directory.glob("*.json"):
+                try:
+                    pid = int(path.stem)
+                    counters = json.loads(path.read_text())
+                except (ValueError, OSError):
+                    continue  # a file being replaced, or not ours: the next read gets it
+                if pid != own and isinstance(counters, dict):
+                    found[pid] = {k: int(v) for k, v in counters.items()}
+        return found
+
+    def remove(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def sweep(self) -> None:
+        """Remove boards left behind by jobs that did not exit cleanly (over a day old)."""
+        now = time.time()
+        with contextlib.suppress(FileNotFoundError):
+            for board in self.root.iterdir():
+                with contextlib.suppress(OSError):
+                    if board != self.directory and now - board.stat().st_mtime > _STALE_AFTER:
+                        shutil.rmtree(board, ignore_errors=True)

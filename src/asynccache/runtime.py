@@ -1,0 +1,233 @@
+"""What a pipe or a node holds per process: the loop thread, the cache, the write queue.
+
+Never pickled, rebuilt in every process that uses its owner (a forked DataLoader worker
+inherits the parent's runtime object but not its thread or sockets: see ``current()``).
+Both integrations compute misses through :meth:`CacheRuntime.compute`, so write-back,
+its visibility guarantee and leases behave the same in both.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from . import _fork
+from .board import REPORT_INTERVAL, StatsBoard
+from .clients.base import BaseClient
+from .codec import Codec
+from .core import AsyncKVCache, OnError
+from .errors import StoreError
+from .loop import LoopThread, get_loop_thread
+from .sources import L1Source, LoopSource, ReadSource, SocketSource
+
+__all__ = ["CacheRuntime", "Reports"]
+
+
+class Reports:
+    """The stats board of one pipe or node, as seen from its owner (the process that
+    built it) and from its copies (DataLoader workers), which publish to it."""
+
+    def __init__(self, board_id: str) -> None:
+        self.board = StatsBoard(board_id)
+        self.owner_pid = os.getpid()
+
+    def bind(self, owner: object) -> None:
+        """Owner side: sweep old boards; remove this one when ``owner`` is let go of."""
+        self.board.sweep()
+        weakref.finalize(owner, _remove_if_owner, self.board, self.owner_pid)
+
+    @property
+    def owner(self) -> bool:
+        return os.getpid() == self.owner_pid
+
+    def others(self) -> dict[int, dict[str, int]]:
+        """What the copies in other processes last published (owner side)."""
+        return self.board.collect() if self.owner else {}
+
+    def total(self, local: dict[str, int]) -> dict[str, int]:
+        total = dict(local)
+        for counters in self.others().values():
+            for name, value in counters.items():
+                total[name] = total.get(name, 0) + value
+        return total
+
+
+def _remove_if_owner(board: StatsBoard, owner_pid: int) -> None:
+    if os.getpid() == owner_pid:  # a forked child inherits this finalizer: not its board
+        board.remove()
+
+
+class CacheRuntime:
+    """Loop thread, cache and queued writes of one pipe or node in one process."""
+
+    def __init__(self, client: BaseClient[Any], namespace: str, ttl: float | None,
+                 codec: Codec | None, on_error: OnError, lease: float | None,
+                 reports: Reports | None = None, l1_bytes: int | None = None,
+                 snapshot: Callable[[], dict[str, int]] | None = None) -> None:
+        self.fork_generation = _fork.generation
+        self.client = client
+        self.loop: LoopThread = get_loop_thread()
+        self.cache = AsyncKVCache(client, namespace, ttl, codec, on_error, lease=lease,
+                                  l1_bytes=l1_bytes)
+        self.lease = lease
+        self.lock = threading.Lock()
+        self.writes: dict[bytes, bytes] = {}
+        self.write_scheduled = False
+        self.loop.call_soon(client.retain)
+        #: a copy outside the owner's process publishes its counters every second
+        self.reports = reports if reports is not None and not reports.owner else None
+        self._snapshot = snapshot
+        self._timer: Any = None
+        if self.reports is not None and snapshot is not None:
+            self.loop.call_soon(self._report_later)
+
+    # -- reports (loop thread) -----------------------------------------------------------
+    def _report_later(self) -> None:
+        self._timer = self.loop.loop.call_later(REPORT_INTERVAL, self._report)
+
+    def _report(self) -> None:
+        self.publish()
+        if not self.loop.closed:
+            self._report_later()
+
+    def publish(self) -> None:
+        """Write this process's counters to the owner's board (copies only)."""
+        if self.reports is None or self._snapshot is None:
+            return
+        try:
+            self.reports.board.publish(self._snapshot())
+        except OSError:
+            pass  # a full or read-only /dev/shm costs the cross-process view, nothing else
+
+    def current(self) -> bool:
+        """False in a forked child: this runtime (loop, sockets) is the parent's."""
+        return self.fork_generation == _fork.generation
+
+    def new_source(self) -> ReadSource:
+        """Read-ahead I/O for the calling thread: its own sockets when the store offers
+        them, else the loop thread. Never for the loop thread itself: a blocking read
+        there would stall (or, through the loop, deadlock) every pipe of the process."""
+        self.loop.check_caller()
+        reads = self.client.consumer_reads()
+        source: ReadSource
+        if reads is not None:
+            source = SocketSource(self.cache, reads, self.loop)
+        else:
+            source = LoopSource(self.cache, self.loop, wait_timeout=self.client.timeout * 2 + 0.5)
+        return L1Source(source, self.cache) if self.cache.l1 is not None else source
+
+    # -- misses ------------------------------------------------------------------------
+    def compute(self, wanted: Mapping[bytes, Any], fn: Callable[[Any], Any], *,
+                wait: bool) -> dict[bytes, Any]:
+        """Values for store keys that missed (``{store key: item}``), ``fn(item)`` each,
+        computed in the calling thread and written back.
+
+        With ``wait`` (a whole batch, as a DataLoader asks for it) the call returns once
+        the writes are acknowledged (about one round trip per batch): a worker that
+        hands back a batch has made it visible to every other worker, which is what
+        makes epoch 2 compute nothing even with persistent workers. Otherwise the
+        writes are queued (write-behind; ``flush()`` waits). Under ``lease`` each key
+        is computed by one process (see :class:`~asynccache.core.AsyncKVCache`).
+        """
+        if self.lease is not None:
+            return self._compute_once(wanted, fn)
+        computed = {key: fn(item) for key, item in wanted.items()}
+        self.cache.counters.add("computed", len(computed))
+        self.queue_writes(self.cache.encode_entries(computed))
+        if wait:
+            self.flush(timeout=max(self.client.timeout * 2, 1.0))
+        return computed
+
+    def _compute_once(self, wanted: Mapping[bytes, Any],
+                      fn: Callable[[Any], Any]) -> dict[bytes, Any]:
+        """Take the leases (one round trip), compute and write what is ours, wait for the
+        others' values; a lease that frees up while waiting (its holder died) is ours."""
+        cache, loop = self.cache, self.loop
+        bound = self.client.timeout * 3 + 1
+        keys = list(wanted)
+        try:
+            taken = loop.call(cache.acquire_leases(keys), bound)
+        except concurrent.futures.TimeoutError:
+            taken = [True] * len(keys)
+        computed = self._compute_mine({k: wanted[k] for k, ok in zip(keys, taken) if ok}, fn)
+        theirs = [k for k, ok in zip(keys, taken) if not ok]
+        if theirs:
+            lease = self.lease or 0.0
+            try:
+                found, mine = loop.call(cache.wait_for_values(theirs),
+                                        lease + self.client.expiry_slack + bound)
+            except concurrent.futures.TimeoutError:
+                found, mine = {}, theirs
+            computed.update(found)
+            computed.update(self._compute_mine({k: wanted[k] for k in mine}, fn))
+        return computed
+
+    def _compute_mine(self, wanted: Mapping[bytes, Any],
+                      fn: Callable[[Any], Any]) -> dict[bytes, Any]:
+        if not wanted:
+            return {}
+        computed = {key: fn(item) for key, item in wanted.items()}
+        self.cache.counters.add("computed", len(computed))
+        entries = self.cache.encode_entries(computed)
+        try:
+            self.loop.call(self._write_then_release(entries, list(computed)),
+                           self.client.timeout * 3 + 1)
+        except concurrent.futures.TimeoutError:
+            self.cache.count("writes_dropped", len(entries))
+        return computed
+
+    async def _write_then_release(self, entries: dict[bytes, bytes], keys: list[bytes]) -> None:
+        """Write computed values now, then drop their leases (waiters see the value)."""
+        try:
+            await self.cache.write_entries(entries)
+        except StoreError:
+            pass  # raise mode: counted by the policy; write-back never raises
+        await self.cache.release_leases(keys)
+
+    # -- writes ------------------------------------------------------------------------
+    def queue_writes(self, entries: dict[bytes, bytes]) -> None:
+        with self.lock:
+            self.writes.update(entries)
+            if self.write_scheduled:
+                return
+            self.write_scheduled = True
+        self.loop.call_soon(self._hand_over)
+
+    def _hand_over(self) -> None:  # loop thread
+        with self.lock:
+            entries, self.writes, self.write_scheduled = self.writes, {}, False
+        if entries:
+            self.cache.write_behind(entries)
+
+    def flush(self, timeout: float) -> None:
+        """Wait until queued writes are in the store (bounded); never raises for it."""
+        self.finish(close=False, timeout=timeout)
+
+    def finish(self, *, close: bool, timeout: float,
+               sources: list[ReadSource] | None = None) -> None:
+        """Write what is queued; with ``close`` also cancel the loop-side read-ahead of
+        ``sources`` and close this loop's connections. Bounded by ``timeout``."""
+        if not self.current() or self.loop.closed:
+            return
+        if close:
+            if self._timer is not None:
+                self.loop.call_soon(self._timer.cancel)
+            self.publish()  # the final numbers of a copy (a worker that exits)
+        try:
+            self.loop.call(self._finish(close, sources or []), timeout)
+        except (TimeoutError, StoreError) as exc:
+            self.cache.count("writes_dropped", len(self.writes))
+            self.cache.policy.log.report("flush", exc, self.client.safe_url)
+
+    async def _finish(self, close: bool, sources: list[ReadSource]) -> None:
+        self._hand_over()
+        if close:
+            for source in sources:
+                await source.cancel_pending()
+        await self.cache.flush()
+        if close:
+            await self.cache.client.release()

@@ -1,0 +1,199 @@
+"""The L1 tier, and resuming under torchdata's StatefulDataLoader (pipe and node)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import RandomSampler
+from torchdata.nodes import SamplerWrapper
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import asynccache as ac
+from asynccache.nodes import CachedMapper, NodeIterable
+
+N = 96
+BATCH = 8
+
+
+class Recorded(torch.utils.data.Dataset):
+    def __init__(self, n: int, log: str, size: int = 64) -> None:
+        self.n, self.log, self.size = n, log, size
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        try:
+            os.write(fd, b"%d\n" % index)
+        finally:
+            os.close(fd)
+        return {"i": index, "t": torch.full((self.size,), float(index))}
+
+
+def computed(log: str) -> list[int]:
+    return [int(x) for x in Path(log).read_text().split()] if Path(log).exists() else []
+
+
+def listed(batch: list[Any]) -> list[Any]:
+    return batch
+
+
+# ------------------------------------------------------------------------------ L1
+
+
+def test_l1_serves_reused_items_without_the_store(redis_server: Any, namespace: str,
+                                                  tmp_path: Path) -> None:
+    ds = Recorded(N, str(tmp_path / "log"))
+    dp = ac.AsyncKVCacheMapDataPipe(ds, ac.connect(redis_server.url), namespace=namespace,
+                                    l1_bytes=1 << 20)
+    first = [dp[i] for i in range(N)]
+    before = dp.stats()["batches"]
+    for _validation_pass in range(3):
+        again = [dp[i] for i in range(N)]
+        assert [v["i"] for v in again] == list(range(N))
+    stats = dp.stats()
+    dp.close()
+    assert stats["batches"] == before  # no store request after the first pass
+    assert stats["l1_hits"] == 3 * N
+    assert computed(ds.log) == list(range(N))
+    assert all(torch.equal(a["t"], b["t"]) for a, b in zip(first, again))
+
+
+def test_l1_hands_out_fresh_objects(redis_server: Any, namespace: str, tmp_path: Path) -> None:
+    """A consumer that changes a sample in place never changes the next reader's."""
+    dp = ac.AsyncKVCacheMapDataPipe(Recorded(N, str(tmp_path / "log")),
+                                    ac.connect(redis_server.url), namespace=namespace,
+                                    l1_bytes=1 << 20)
+    sample = dp[3]
+    sample["t"].mul_(0)  # an in-place augmentation
+    assert torch.equal(dp[3]["t"], torch.full((64,), 3.0))
+    assert dp[3] is not dp[3]
+    dp.close()
+
+
+def test_l1_is_bounded_and_least_recently_used_goes_first(namespace: str) -> None:
+    from asynccache.l1 import L1Cache
+
+    l1 = L1Cache(10_000)
+    for i in range(100):
+        l1.put(b"k%d" % i, bytes(900))
+    assert l1.size <= 10_000 and len(l1) == 9  # 1,003 bytes an entry with its overhead
+    assert l1.get(b"k90") is None and l1.get(b"k91") is not None
+    l1.get(b"k92")  # used: kept over k93 when the next one comes in
+    l1.put(b"new", bytes(900))
+    assert l1.get(b"k92") is not None and l1.get(b"k93") is None
+    l1.put(b"huge", bytes(20_000))  # larger than the tier: not kept, nothing evicted
+    assert l1.get(b"huge") is None and len(l1) == 9
+
+
+def test_l1_on_the_node_and_the_async_cache(memcached_server: Any, namespace: str,
+                                            tmp_path: Path) -> None:
+    ds = Recorded(N, str(tmp_path / "log"))
+    node = CachedMapper(SamplerWrapper(RandomSampler(range(N))), ds.__getitem__,
+                        ac.connect(memcached_server.url), namespace=namespace,
+                        l1_bytes=1 << 20)
+    from torchdata.nodes import Loader
+
+    loader = Loader(node)
+    list(loader)
+    list(loader)
+    stats = node.stats()
+    node.close()
+    assert stats["l1_hits"] == N and len(computed(ds.log)) == N
+
+
+@pytest.mark.anyio
+async def test_l1_in_get_many(redis_server: Any, namespace: str) -> None:
+    client = ac.connect(redis_server.url)
+    cache = ac.AsyncKVCache(client, namespace=namespace, l1_bytes=1 << 16)
+    await cache.set_many({i: i * i for i in range(10)})
+    batches = cache.stats()["batches"]
+    assert await cache.get_many(range(12)) == {i: i * i for i in range(10)}
+    stats = cache.stats()
+    assert stats["l1_hits"] == 10 and stats["batches"] == batches + 1  # only 10, 11 asked
+    with pytest.raises(ac.ConfigError, match="l1_bytes"):
+        ac.AsyncKVCache(client, namespace=namespace, l1_bytes=-1)
+    await client.close()
+
+
+# ---------------------------------------------------------------------- StatefulDataLoader
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_pipe_resumes_under_stateful_dataloader(redis_server: Any, namespace: str,
+                                                tmp_path: Path, workers: int) -> None:
+    log = str(tmp_path / "log")
+
+    def make() -> StatefulDataLoader:
+        dp = ac.AsyncKVCacheMapDataPipe(Recorded(N, log), ac.connect(redis_server.url),
+                                        namespace=namespace)
+        return StatefulDataLoader(dp, batch_size=BATCH, shuffle=True, num_workers=workers,
+                                  generator=torch.Generator().manual_seed(4),
+                                  collate_fn=listed,
+                                  multiprocessing_context="fork" if workers else None)
+
+    reference = [[v["i"] for v in b] for b in make()]  # computes and caches everything
+    assert sorted(computed(log)) == list(range(N))
+    os.unlink(log)
+    loader = make()
+    it = iter(loader)
+    head = [[v["i"] for v in next(it)] for _ in range(5)]
+    state = loader.state_dict()
+    del it
+    fresh = make()
+    fresh.load_state_dict(state)
+    tail = [[v["i"] for v in b] for b in fresh]
+    assert head + tail == reference
+    assert computed(log) == []  # every sample came from the cache
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_node_resumes_under_stateful_dataloader(redis_server: Any, namespace: str,
+                                                tmp_path: Path, workers: int) -> None:
+    log = str(tmp_path / "log")
+    url = redis_server.url
+
+    def make() -> StatefulDataLoader:
+        ds = Recorded(N, log)
+        iterable = NodeIterable(lambda w, n: _worker_node(ds, url, namespace, w, n))
+        return StatefulDataLoader(iterable, batch_size=BATCH, num_workers=workers,
+                                  collate_fn=listed,
+                                  multiprocessing_context="fork" if workers else None)
+
+    reference = [[v["i"] for v in b] for b in make()]
+    assert sorted(i for b in reference for i in b) == list(range(N))
+    computed_before = len(computed(log))
+    loader = make()
+    it = iter(loader)
+    head = [[v["i"] for v in next(it)] for _ in range(5)]
+    state = loader.state_dict()
+    del it
+    fresh = make()
+    fresh.load_state_dict(state)
+    tail = [[v["i"] for v in b] for b in fresh]
+    assert head + tail == reference
+    assert len(computed(log)) == computed_before  # the resumed run computed nothing
+
+
+def _worker_node(ds: Recorded, url: str, namespace: str, worker: int, workers: int
+                 ) -> CachedMapper[Any]:
+    order = torch.randperm(N, generator=torch.Generator().manual_seed(9)).tolist()
+    shard = order[worker::workers]
+    return CachedMapper(SamplerWrapper(_ListSampler(shard)), ds.__getitem__, ac.connect(url),
+                        namespace=namespace, prefetch=8)
+
+
+class _ListSampler(torch.utils.data.Sampler[int]):
+    def __init__(self, items: list[int]) -> None:
+        self.items = items
+
+    def __iter__(self) -> Any:
+        return iter(self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
