@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import asynccache as ac
-from asynccache import servers
+from asynccache.testing import servers
 
 BACKENDS = ["redis", "redis-unix", "valkey", "memcached", "memcached-pool", "cluster"]
 

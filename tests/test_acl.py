@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 import asynccache as ac
-from asynccache import servers
+from asynccache.testing import servers
 
 USER_PASSWORD = "acl-Pa55word-only-for-ns-a"
 

@@ -105,3 +105,26 @@ def test_unknown_benchmark_is_a_usage_error(capsys: pytest.CaptureFixture[str]) 
         main(["bench", "--only", "latency,nosuch"])
     assert exc.value.code == 2
     assert "nosuch" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "module", "extra"), [
+    (["bench", "--smoke", "--only", "core", "--no-progress"], "matplotlib", "bench"),
+    (["demo", "--help"], "tqdm", "demo"),
+])
+def test_a_missing_optional_dependency_names_the_extra(argv: list[str], module: str,
+                                                       extra: str, tmp_path: Path) -> None:
+    """``asynccache bench`` with only the demo extra installed: one line naming the extra
+    to install and exit code 1, not a ModuleNotFoundError traceback."""
+    import subprocess
+    import sys
+
+    if argv[0] == "bench":
+        argv = [*argv, "--out", str(tmp_path)]
+    script = (f"import sys; sys.modules[{module!r}] = None\n"
+              "from asynccache.__main__ import main\n"
+              f"sys.exit(main({argv!r}))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert f"pip install 'asynccache[{extra}]'" in done.stderr
+    assert module in done.stderr and "Traceback" not in done.stderr

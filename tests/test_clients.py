@@ -8,8 +8,8 @@ import pickle
 import pytest
 
 import asynccache as ac
-from asynccache import servers
 from asynccache.clients.memcached import rendezvous_owner, safe_memcached_key
+from asynccache.testing import servers
 
 pytestmark = pytest.mark.anyio
 

@@ -18,9 +18,9 @@ import pytest
 from redis.crc import key_slot
 
 import asynccache as ac
-from asynccache import servers
 from asynccache.clients import RedisClusterClient
 from asynccache.clients.base import NOT_READ
+from asynccache.testing import servers
 
 pytestmark = pytest.mark.anyio
 

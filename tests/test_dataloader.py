@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import asynccache as ac
-from asynccache import servers
+from asynccache.testing import servers
 
 
 class FileCountedSource(torch.utils.data.Dataset):

@@ -14,8 +14,8 @@ from torch.utils.data import MapDataPipe
 from torch.utils.data.datapipes.map import SequenceWrapper
 
 import asynccache as ac
-from asynccache import servers
 from asynccache.loop import get_loop_thread
+from asynccache.testing import servers
 
 
 @pytest.fixture(autouse=True)

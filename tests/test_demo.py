@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from asynccache import servers
 from asynccache.__main__ import main
+from asynccache.testing import servers
 
 CONFIGS = ("no cache", "dict per worker", "async_kv_cache")
 RUN_TIMEOUT = 120  # seconds; a --quick run takes ~10 s on two busy cores

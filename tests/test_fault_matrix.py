@@ -1,7 +1,7 @@
 """The fault matrix: every store × every fault × every way of reading, on real servers.
 
 Stores: one Redis, one memcached, a pool of 3 memcached, a 3-node Redis Cluster — each
-node behind its own loopback :class:`~asynccache.proxy.FaultProxy`. Faults: the store
+node behind its own loopback :class:`~asynccache.testing.proxy.FaultProxy`. Faults: the store
 down at start, killed mid-scan and restarted on the same port, a black hole, connection
 resets, a trickling link, idle connections closed by the server, a full store
 (``noeviction``) and an evicting one (LRU), one node of a pool or cluster killed,
@@ -32,8 +32,8 @@ import pytest
 from torch.utils.data import DataLoader
 
 import asynccache as ac
-from asynccache import servers
-from asynccache.proxy import FaultProxy, url_through
+from asynccache.testing import servers
+from asynccache.testing.proxy import FaultProxy, url_through
 
 TIMEOUT = 0.25  # every store operation, end to end
 N = 240  # items per scan

@@ -1,6 +1,6 @@
 """Store failures become counted misses: black holes, resets, dead servers, late replies.
 
-Faults are injected with asynccache.proxy.FaultProxy (loopback only) and by killing
+Faults are injected with asynccache.testing.proxy.FaultProxy (loopback only) and by killing
 real server processes.
 """
 
@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import pytest
 
 import asynccache as ac
-from asynccache import servers
-from asynccache.proxy import FaultProxy, url_through
+from asynccache.testing import servers
+from asynccache.testing.proxy import FaultProxy, url_through
 
 pytestmark = pytest.mark.anyio
 

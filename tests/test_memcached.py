@@ -2,7 +2,7 @@
 
 The protocol tests use no sockets. The rest run against real memcached servers (the
 session fixtures, or private ones for tests that kill, restart or constrain a server),
-through asynccache.proxy.FaultProxy for latency, and against a scripted loopback server
+through asynccache.testing.proxy.FaultProxy for latency, and against a scripted loopback server
 for what a real memcached will not do on demand (close right after a request, send a
 value nobody asked for).
 """
@@ -20,7 +20,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import asynccache as ac
-from asynccache import servers
 from asynccache.clients.base import NOT_READ
 from asynccache.clients.blocking_memcached import BlockingMemcachedConnection
 from asynccache.clients.memcached import (
@@ -42,7 +41,8 @@ from asynccache.protocol.memcache import (
     pack_get,
     pack_set,
 )
-from asynccache.proxy import FaultProxy
+from asynccache.testing import servers
+from asynccache.testing.proxy import FaultProxy
 
 # -- the text protocol, no sockets ----------------------------------------------------
 

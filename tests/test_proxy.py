@@ -1,4 +1,4 @@
-"""asynccache.proxy.FaultProxy between real clients and a real redis-server/memcached."""
+"""asynccache.testing.proxy.FaultProxy between real clients and a real redis-server/memcached."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from asynccache.proxy import FaultProxy, url_through
-from asynccache.servers import RedisServer, start_memcached, start_redis
+from asynccache.testing.proxy import FaultProxy, url_through
+from asynccache.testing.servers import RedisServer, start_memcached, start_redis
 
 RTT = 0.02
 

@@ -15,9 +15,9 @@ from urllib.parse import quote
 import pytest
 
 import asynccache as ac
-from asynccache import servers
 from asynccache.clients.endpoint import wait_ready
-from asynccache.proxy import FaultProxy, url_through
+from asynccache.testing import servers
+from asynccache.testing.proxy import FaultProxy, url_through
 from conftest import TlsCerts
 
 

@@ -23,9 +23,9 @@ import xxhash
 from torch.utils.data import DataLoader
 
 import asynccache as ac
-from asynccache import servers
 from asynccache.codec import MAGIC
 from asynccache.errors import SignatureError
+from asynccache.testing import servers
 
 NEW = "new-secret-fedcba9876543210fedcba9876"
 OLD = "old-secret-0123456789abcdef0123456789"

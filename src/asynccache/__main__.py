@@ -11,9 +11,11 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from . import __version__
-from .errors import CacheError
+from .errors import CacheError, MissingDependency
+from .testing.servers import TestingError
 
 __all__ = ["COMMANDS", "main"]
 
@@ -26,6 +28,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
 }
 COMMANDS["bench"] = ("asynccache.bench.cli", "benchmarks against peers: tables, JSON, plots")
+
+#: a command's optional imports -> the extra that installs them
+EXTRA_FOR_COMMAND = {"demo": "demo", "bench": "bench"}
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130  # the shell's code for SIGINT
@@ -49,23 +54,54 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen = _chosen_command(argv)
-    for name, (module_name, summary) in COMMANDS.items():
+    for name, (_module, summary) in COMMANDS.items():
         sub = commands.add_parser(name, help=summary, description=summary)
         if name == chosen:
-            importlib.import_module(module_name).add_arguments(sub)
+            _command_module(name).add_arguments(sub)
     return parser
+
+
+def _command_module(name: str) -> Any:
+    """The command's module; a missing optional dependency names the extra to install."""
+    try:
+        return importlib.import_module(COMMANDS[name][0])
+    except ModuleNotFoundError as exc:
+        raise _missing(name, exc) from exc
+
+
+def _missing(command: str, exc: ModuleNotFoundError) -> Exception:
+    """MissingDependency naming the extra for a third-party module; ``exc`` itself for
+    one of ours (a bug, not an installation problem)."""
+    package = (exc.name or "").split(".")[0]
+    if not package or package == "asynccache":
+        return exc
+    extra = EXTRA_FOR_COMMAND.get(command)
+    hint = f"pip install 'asynccache[{extra}]'" if extra else f"pip install {package}"
+    return MissingDependency(
+        f"`asynccache {command}` needs the package {package!r}, which is not installed: "
+        f"{hint}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(argv).parse_args(argv)
-    module = importlib.import_module(COMMANDS[args.command][0])
+    try:
+        args = build_parser(argv).parse_args(argv)
+        module = _command_module(args.command)
+    except MissingDependency as exc:
+        print(f"asynccache: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
     try:
         return int(module.run(args))
     except KeyboardInterrupt:
         print(f"asynccache {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except CacheError as exc:
+    except ModuleNotFoundError as exc:  # imported lazily by the command, e.g. matplotlib
+        missing = _missing(args.command, exc)
+        if not isinstance(missing, MissingDependency):
+            raise
+        print(f"asynccache {args.command}: error: {missing}", file=sys.stderr)
+        return EXIT_ERROR
+    except (CacheError, TestingError) as exc:
         print(f"asynccache {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
 

@@ -43,9 +43,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from . import servers
 from .connect import connect
 from .datapipe import AsyncKVCacheMapDataPipe
+from .testing import servers
 
 __all__ = ["InMemoryCache", "SyntheticImages", "add_arguments", "decode", "run"]
 

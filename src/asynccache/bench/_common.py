@@ -31,8 +31,8 @@ import redis.asyncio as aioredis
 import uvloop
 from tqdm import tqdm
 
-from .. import servers
 from ..errors import CacheError, ConfigError
+from ..testing import servers
 
 PACKAGES = (
     "asynccache",

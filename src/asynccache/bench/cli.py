@@ -187,7 +187,10 @@ def _load(names: Sequence[str]) -> dict[str, Any]:
         try:
             out[name] = importlib.import_module(f"asynccache.bench.{name}")
         except ImportError as exc:
-            out[name] = f"cannot import asynccache.bench.{name}: {exc}"
+            package = (exc.name or "").split(".")[0]
+            hint = ("" if package in ("", "asynccache")
+                    else f" (package {package!r} missing: pip install 'asynccache[bench]')")
+            out[name] = f"cannot import asynccache.bench.{name}: {exc}{hint}"
     return out
 
 

@@ -61,7 +61,6 @@ import torch
 from torch.utils.data import DataLoader
 
 from .. import demo as _demo
-from .. import servers
 from ..clients import MemcachedClient
 from ..connect import connect
 from ..datapipe import AsyncKVCacheMapDataPipe
@@ -81,6 +80,7 @@ from ..demo import (
     measure_item_cost,
     timed_pass,
 )
+from ..testing import servers
 from ._common import cpu_model
 
 __all__ = ["CACHES", "LOADERS", "main", "plot", "run", "table"]

@@ -1,7 +1,7 @@
 """The latency benchmark's reads through a loopback proxy that adds round-trip time.
 
 The store is not local in a real cluster: 0.2 ms is a rack, 1 ms a data centre. This
-module puts :class:`asynccache.proxy.FaultProxy` between every client and the store,
+module puts :class:`asynccache.testing.proxy.FaultProxy` between every client and the store,
 ``set_latency(rtt)`` for each level, and measures the same read paths and peers as
 :mod:`asynccache.bench.latency` -- plus ``dp[i]`` at several prefetch depths and a
 consumer that does 100 µs of GIL-free work per item (``time.sleep``, as a training step
@@ -80,7 +80,7 @@ def _proxy_child_main() -> None:  # pragma: no cover - runs in the child process
     asyncio.new_event_loop = lambda: asyncio.SelectorEventLoop(selectors.SelectSelector())
     with contextlib.suppress(Exception):  # Linux: 1 µs timer slack, inherited by threads
         ctypes.CDLL(None).prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK
-    from asynccache.proxy import FaultProxy
+    from asynccache.testing.proxy import FaultProxy
 
     proxies: dict[int, FaultProxy] = {}
     try:
@@ -212,7 +212,7 @@ def run(
                 "reps": s.reps,
                 "warmup": s.warmup,
                 "stores": [st.name for st in stores],
-                "proxy": "asynccache.proxy.FaultProxy in a child process, select() loop",
+                "proxy": "asynccache.testing.proxy.FaultProxy in a child process, select() loop",
                 "mode": s.mode,
             },
             "levels": [],

@@ -42,7 +42,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote, urlencode
 
-from .errors import CacheError, ConfigError
 from .proxy import FaultProxy
 
 if TYPE_CHECKING:
@@ -55,6 +54,7 @@ __all__ = [
     "RedisServer",
     "ServerNotFound",
     "ServerStartError",
+    "TestingError",
     "TlsFiles",
     "find_memcached_binary",
     "find_redis_binary",
@@ -79,11 +79,18 @@ _INSTALL_HINT = (
 )
 
 
-class ServerNotFound(ConfigError):
+class TestingError(Exception):
+    """Trouble with a test server or the fault proxy: outside the ``CacheError`` tree,
+    so that code catching a cache's errors never swallows a broken test set-up."""
+
+    __test__ = False  # a name pytest would otherwise collect
+
+
+class ServerNotFound(TestingError):
     """No usable server binary was found; the message says how to get one."""
 
 
-class ServerStartError(CacheError):
+class ServerStartError(TestingError):
     """A server did not become ready; the message ends with the tail of its log."""
 
 
@@ -119,7 +126,7 @@ def find_redis_binary(prefer: str | None = None) -> tuple[str, str]:
             )
         return env, _binary_kind(env)
     if prefer not in (None, "redis", "valkey", "embedded"):
-        raise ConfigError(f"prefer must be 'redis', 'valkey', 'embedded' or None, not {prefer!r}")
+        raise ValueError(f"prefer must be 'redis', 'valkey', 'embedded' or None, not {prefer!r}")
     lookups = {
         None: (_on_path("redis-server"), _on_path("valkey-server"), _embedded_valkey),
         "redis": (_on_path("redis-server"),),
@@ -222,7 +229,7 @@ class TlsFiles:
 
     def __post_init__(self) -> None:
         if self.require_client_cert and self.client_cert_file is None:
-            raise ConfigError("require_client_cert needs client_cert_file (and its key) for "
+            raise ValueError("require_client_cert needs client_cert_file (and its key) for "
                               "the readiness probe and the server's URL")
 
     def client_context(self) -> ssl.SSLContext:
@@ -562,13 +569,13 @@ class RedisServer(LocalServer):
         else:
             self.kind = _binary_kind(binary)
         if cluster and unix_socket:
-            raise ConfigError("a cluster node needs a TCP port: use unix_socket=False")
+            raise ValueError("a cluster node needs a TCP port: use unix_socket=False")
         if announce_port is not None and not cluster:
-            raise ConfigError("announce_port is a cluster setting: use cluster=True")
+            raise ValueError("announce_port is a cluster setting: use cluster=True")
         if idle_timeout is not None and idle_timeout < 0:
-            raise ConfigError(f"idle_timeout must be >= 0 seconds, not {idle_timeout}")
+            raise ValueError(f"idle_timeout must be >= 0 seconds, not {idle_timeout}")
         if tls is not None and unix_socket:
-            raise ConfigError("redis serves TLS on TCP ports only: use unix_socket=False")
+            raise ValueError("redis serves TLS on TCP ports only: use unix_socket=False")
         self.tls = tls
         self.maxmemory = maxmemory
         self.maxmemory_policy = maxmemory_policy
@@ -857,7 +864,7 @@ class RedisCluster:
 
     def __init__(self, nodes: list[RedisServer], *, through_proxies: bool = False) -> None:
         if not nodes:
-            raise ConfigError("a cluster needs at least one node")
+            raise ValueError("a cluster needs at least one node")
         self.nodes = nodes
         self.proxies: list[FaultProxy] = (
             [FaultProxy(node.host, _tcp_port(node)) for node in nodes] if through_proxies else []
@@ -1020,11 +1027,11 @@ def start_redis_cluster(
     """Start *n* cluster-enabled masters (0 replicas) and wait until the cluster is ok.
 
     With *through_proxies*, clients reach node i only through ``proxies[i]``, a
-    :class:`~asynccache.proxy.FaultProxy` (see :class:`RedisCluster`). With *tls* every
+    :class:`~asynccache.testing.proxy.FaultProxy` (see :class:`RedisCluster`). With *tls* every
     node serves TLS only, its cluster bus included.
     """
     if n < 1:
-        raise ConfigError(f"a cluster needs at least one node, not {n}")
+        raise ValueError(f"a cluster needs at least one node, not {n}")
     nodes: list[RedisServer] = []
     try:
         for _ in range(n):
