@@ -7,8 +7,10 @@ the machine lacks a store.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -173,3 +175,20 @@ def password_redis() -> Iterator[servers.RedisServer]:
     """A redis whose default user needs SERVER_PASSWORD (``requirepass``)."""
     with servers.start_redis(prefer="redis", password=SERVER_PASSWORD) as server:
         yield server
+
+
+# -- datasets that record what they compute (any process: appends to a file) -------------
+def record_computation(log: str | os.PathLike[str], index: int) -> None:
+    """Append ``index`` to ``log``: one ``write`` of one line, so lines of concurrent
+    processes (DataLoader workers) never interleave."""
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        os.write(fd, b"%d\n" % index)
+    finally:
+        os.close(fd)
+
+
+def computed(log: str | os.PathLike[str]) -> list[int]:
+    """The indices recorded in ``log`` so far, in the order they were computed."""
+    path = Path(log)
+    return [int(x) for x in path.read_text().split()] if path.exists() else []

@@ -7,7 +7,6 @@ file (O_APPEND writes of a few bytes are atomic), which works under fork and spa
 from __future__ import annotations
 
 import gc
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from torch.utils.data import DataLoader
 
 import asynccache as ac
 from asynccache.testing import servers
+from conftest import computed, record_computation
 
 
 class FileCountedSource(torch.utils.data.Dataset):
@@ -30,18 +30,9 @@ class FileCountedSource(torch.utils.data.Dataset):
         return self.n
 
     def __getitem__(self, index: int) -> dict[str, object]:
-        fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-        try:
-            os.write(fd, f"{index}\n".encode())
-        finally:
-            os.close(fd)
+        record_computation(self.log, index)
         return {"index": index, "x": torch.full((8,), float(index)), "none": None}
 
-
-def computed(log: Path) -> list[int]:
-    if not log.exists():
-        return []
-    return [int(line) for line in log.read_text().split()]
 
 
 @pytest.fixture(autouse=True)

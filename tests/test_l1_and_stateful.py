@@ -14,6 +14,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import asynccache as ac
 from asynccache.nodes import CachedMapper, NodeIterable
+from conftest import computed, record_computation
 
 N = 96
 BATCH = 8
@@ -27,16 +28,9 @@ class Recorded(torch.utils.data.Dataset):
         return self.n
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-        try:
-            os.write(fd, b"%d\n" % index)
-        finally:
-            os.close(fd)
+        record_computation(self.log, index)
         return {"i": index, "t": torch.full((self.size,), float(index))}
 
-
-def computed(log: str) -> list[int]:
-    return [int(x) for x in Path(log).read_text().split()] if Path(log).exists() else []
 
 
 def listed(batch: list[Any]) -> list[Any]:

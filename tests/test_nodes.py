@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,8 @@ from torchdata.nodes import (
 
 import asynccache as ac
 from asynccache.nodes import CachedMapper
+from asynccache.testing import servers
+from conftest import computed, record_computation
 
 N = 120
 
@@ -36,16 +37,9 @@ class Dataset(torch.utils.data.Dataset):
         return self.n
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-        try:
-            os.write(fd, b"%d\n" % index)
-        finally:
-            os.close(fd)
+        record_computation(self.log, index)
         return {"i": index, "t": torch.full((2,), float(index))}
 
-
-def computed(log: Path) -> list[int]:
-    return [int(x) for x in log.read_text().split()] if log.exists() else []
 
 
 def shuffled(n: int, seed: int = 0) -> RandomSampler:
@@ -204,7 +198,7 @@ def test_over_an_iterable_of_keys(redis_server: Any, namespace: str) -> None:
 
 
 def test_a_dead_store_still_yields_map_fn(namespace: str, ds: Dataset) -> None:
-    port = ac.servers.free_port()
+    port = servers.free_port()
     node = CachedMapper(SamplerWrapper(shuffled(N)), ds.__getitem__,
                         ac.connect(f"redis://127.0.0.1:{port}/0", timeout=0.2),
                         namespace=namespace)
