@@ -33,6 +33,7 @@ password masked; objects with the same labels are summed):
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -88,7 +89,8 @@ class CacheCollector:
     """A ``prometheus_client`` collector for caches, pipes and nodes (held weakly).
 
     ``registry``: where to register (default: prometheus_client's ``REGISTRY``; None:
-    not registered, for a registry of your own later).
+    not registered, for a registry of your own later). A registry takes one collector
+    of these names: add objects to it with :meth:`add`, or use :func:`register`.
     """
 
     def __init__(self, *objects: Any, registry: Any = _DEFAULT_REGISTRY) -> None:
@@ -103,7 +105,8 @@ class CacheCollector:
 
     def add(self, obj: Any) -> None:
         """Report ``obj`` too (validated now, held weakly)."""
-        self._targets.append((weakref.ref(obj), _labels(obj)))
+        labels = _labels(obj)
+        self._targets.append((weakref.ref(obj), labels))
 
     def _readings(self) -> dict[tuple[str, str], tuple[dict[str, int], dict[str, Latency]]]:
         """``{(namespace, store): (stats, latency)}``, summed over objects sharing labels."""
@@ -163,6 +166,24 @@ class CacheCollector:
         yield histogram
 
 
+_per_registry: weakref.WeakKeyDictionary[Any, CacheCollector] = weakref.WeakKeyDictionary()
+_per_registry_lock = threading.Lock()
+
+
 def register(*objects: Any, registry: Any = _DEFAULT_REGISTRY) -> CacheCollector:
-    """Register a :class:`CacheCollector` for ``objects`` (default registry unless given)."""
-    return CacheCollector(*objects, registry=registry)
+    """Report ``objects`` in ``registry`` (default: prometheus_client's ``REGISTRY``).
+
+    One collector per registry, made on the first call and reused after (a registry
+    refuses two collectors with the same metric names): call it for each new pipe,
+    node or cache, e.g. every epoch, as often as you like.
+    """
+    if registry is _DEFAULT_REGISTRY:
+        registry = _prometheus().REGISTRY
+    with _per_registry_lock:
+        collector = _per_registry.get(registry)
+        if collector is None:
+            collector = _per_registry[registry] = CacheCollector(*objects, registry=registry)
+            return collector
+    for obj in objects:
+        collector.add(obj)
+    return collector
