@@ -17,6 +17,8 @@ when torch is installed.
 
 from __future__ import annotations
 
+import logging as _logging
+
 from .clients import BaseClient, MemcachedClient, MemoryClient, RedisClient, RedisClusterClient
 from .codec import Codec
 from .connect import connect
@@ -73,3 +75,16 @@ __all__ = [
     "connect",
     "derive_namespace",
 ]
+
+# A library's logger: silent unless the application configures logging. Its one-time
+# failure warnings are WARNING; its DEBUG lines ("failed again") stay out of an
+# application that sets its root logger to INFO or DEBUG, until it lowers this level.
+# The periodic summary (asynccache.metrics.log_summary) logs at INFO on a child logger
+# that is left at INFO: a user who started it wants its lines.
+_logger = _logging.getLogger("asynccache")
+_logger.addHandler(_logging.NullHandler())
+if _logger.level == _logging.NOTSET:
+    _logger.setLevel(_logging.WARNING)
+_summary_logger = _logging.getLogger("asynccache.summary")
+if _summary_logger.level == _logging.NOTSET:
+    _summary_logger.setLevel(_logging.INFO)

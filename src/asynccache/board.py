@@ -81,3 +81,49 @@ class StatsBoard:
                 with contextlib.suppress(OSError):
                     if board != self.directory and now - board.stat().st_mtime > _STALE_AFTER:
                         shutil.rmtree(board, ignore_errors=True)
+
+    # -- latency histograms and job-wide "log once" (asynccache.metrics) ----------------
+    # Kept in subdirectories, so ``collect`` (``*.json`` at the top) never sees them.
+
+    def publish_latency(self, rows: dict[str, list[int]]) -> None:
+        """Write this process's latency histograms (``Latency.to_row()`` per kind)."""
+        directory = self.directory / "latency"
+        directory.mkdir(parents=True, exist_ok=True)
+        partial = directory / f".{os.getpid()}.tmp"
+        partial.write_text(json.dumps(rows))
+        os.replace(partial, directory / f"{os.getpid()}.json")
+
+    def collect_latency(self) -> dict[int, dict[str, list[int]]]:
+        """The latest histograms of every other process that published, by pid."""
+        found: dict[int, dict[str, list[int]]] = {}
+        own = os.getpid()
+        with contextlib.suppress(FileNotFoundError):
+            for path in (self.directory / "latency").glob("*.json"):
+                try:
+                    pid = int(path.stem)
+                    rows = json.loads(path.read_text())
+                except (ValueError, OSError):
+                    continue
+                if pid != own and isinstance(rows, dict):
+                    found[pid] = {str(k): [int(v) for v in row] for k, row in rows.items()
+                                  if isinstance(row, list)}
+        return found
+
+    def claim(self, kind: str) -> bool:
+        """True for the first process of the job to claim ``kind`` (a failure to log).
+
+        A marker file created with ``O_EXCL``: exactly one process wins, however many
+        DataLoader workers (or epochs of fresh workers) hit the same failure. When the
+        board cannot be written the answer is True: logging twice beats logging never.
+        """
+        directory = self.directory / "logged"
+        name = "".join(c if c.isalnum() or c in "-_." else "_" for c in kind)[:200]
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(directory / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            return False
+        except OSError:
+            return True
+        os.close(fd)
+        return True

@@ -51,6 +51,7 @@ from .errors import (
     ValueTooLarge,
 )
 from .health import FailurePolicy, OnError
+from .histogram import Histograms, Latency
 from .keys import check_namespace, chunk_keys, encode_key, lease_key, namespace_prefix
 from .l1 import L1Cache
 from .stats import Counters
@@ -160,6 +161,8 @@ class AsyncKVCache:
         self.prefix = namespace_prefix(self.namespace)
         self._max_in_flight = max_in_flight
         self.counters = Counters()
+        #: durations of store requests (one record per request, never per item)
+        self.histograms = Histograms()
         self.policy = FailurePolicy(on_error, self.counters, client.safe_url)
         self._loop_state: _LoopState | None = None
 
@@ -202,13 +205,17 @@ class AsyncKVCache:
         first store failure, already counted and logged. Never raises for the store."""
         ls = self._ls()
         policy = self.policy
-        started = time.perf_counter()
+        started = time.perf_counter_ns()
         async with ls.in_flight:
+            sent = time.perf_counter_ns()
             result = await self.client.read(store_keys, policy.down())
+        done = time.perf_counter_ns()
+        if result.answered or result.failures:  # a request left (not every node skipped)
+            self.histograms.record("read", done - sent)
         counters = self.counters.shard()
         counters["batches"] += 1
         counters["keys_requested"] += len(store_keys)
-        counters["batch_time_us"] += int((time.perf_counter() - started) * 1e6)
+        counters["batch_time_us"] += (done - started) // 1000
         for node in result.answered:
             policy.succeeded(node)
         if result.skipped:
@@ -443,7 +450,10 @@ class AsyncKVCache:
         ok = True
         first_error: StoreError | None = None
         for part in _write_requests(entries, self.client.max_batch * 4):
+            sent = time.perf_counter_ns()
             result = await self.client.write(part, ttl, self.policy.down())
+            if result.answered or result.failures or result.rejected:
+                self.histograms.record("write", time.perf_counter_ns() - sent)
             if not self._count_write(part, result):
                 ok = False
                 first_error = first_error or next(
@@ -654,6 +664,14 @@ class AsyncKVCache:
     def stats(self) -> dict[str, int]:
         """Counters: hits, misses, errors, timeouts, batches, bytes_read, sets, ..."""
         return self.counters.snapshot()
+
+    def latency(self) -> dict[str, Latency]:
+        """Durations of store requests, ``{"read": Latency, "write": Latency}``: one
+        record per multi-get or write request (its wait for a free in-flight slot not
+        included), in the fixed buckets of :mod:`asynccache.histogram`. Requests that
+        failed count too (a timeout took its time); requests never sent (every node
+        backing off) do not."""
+        return self.histograms.snapshot()
 
     def count(self, name: str, n: int = 1) -> None:
         """Add to a counter (integrations keep their own counters here too)."""

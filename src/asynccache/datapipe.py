@@ -47,6 +47,7 @@ from .clients.base import BaseClient
 from .codec import Codec
 from .core import MISSING, AsyncKVCache, OnError
 from .errors import ConfigError, KeyTooLong
+from .histogram import merge
 from .keys import encode_key
 from .prefetch import Prefetcher
 from .runtime import CacheRuntime, Reports
@@ -483,6 +484,17 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         if per_process:
             return {os.getpid(): local, **self._reports.others()}
         return self._reports.total(local)
+
+    def latency(self, per_process: bool = False) -> Any:
+        """Durations of this pipe's store requests, ``{"read": Latency, "write": Latency}``
+        (see :meth:`AsyncKVCache.latency <asynccache.core.AsyncKVCache.latency>`), summed
+        over the processes of the job like :meth:`stats`; ``per_process=True``:
+        ``{pid: {kind: Latency}}``."""
+        rt = self._rt
+        local = rt.cache.latency() if rt is not None and rt.current() else merge([])
+        if per_process:
+            return {os.getpid(): local, **self._reports.latency_others()}
+        return self._reports.latency_total(local)
 
     def _local_stats(self) -> dict[str, int]:
         rt = self._rt

@@ -21,6 +21,7 @@ from .clients.base import BaseClient
 from .codec import Codec
 from .core import AsyncKVCache, OnError
 from .errors import StoreError
+from .histogram import Latency, merge
 from .loop import LoopThread, get_loop_thread
 from .sources import L1Source, LoopSource, ReadSource, SocketSource
 
@@ -55,6 +56,21 @@ class Reports:
                 total[name] = total.get(name, 0) + value
         return total
 
+    def latency_others(self) -> dict[int, dict[str, Latency]]:
+        """The latency histograms the copies in other processes last published."""
+        if not self.owner:
+            return {}
+        found = {}
+        for pid, rows in self.board.collect_latency().items():
+            try:
+                found[pid] = {kind: Latency.from_row(row) for kind, row in rows.items()}
+            except ValueError:
+                continue  # written by another asynccache version: skip, never fail
+        return found
+
+    def latency_total(self, local: dict[str, Latency]) -> dict[str, Latency]:
+        return merge([local, *self.latency_others().values()])
+
 
 def _remove_if_owner(board: StatsBoard, owner_pid: int) -> None:
     if os.getpid() == owner_pid:  # a forked child inherits this finalizer: not its board
@@ -73,6 +89,8 @@ class CacheRuntime:
         self.loop: LoopThread = get_loop_thread()
         self.cache = AsyncKVCache(client, namespace, ttl, codec, on_error, lease=lease,
                                   l1_bytes=l1_bytes)
+        if reports is not None:  # log each kind of failure once per job, not per worker
+            self.cache.policy.log.claim = reports.board.claim
         self.lease = lease
         self.lock = threading.Lock()
         self.writes: dict[bytes, bytes] = {}
@@ -100,6 +118,8 @@ class CacheRuntime:
             return
         try:
             self.reports.board.publish(self._snapshot())
+            self.reports.board.publish_latency(
+                {kind: latency.to_row() for kind, latency in self.cache.latency().items()})
         except OSError:
             pass  # a full or read-only /dev/shm costs the cross-process view, nothing else
 

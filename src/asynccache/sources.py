@@ -13,6 +13,9 @@ off), so the prefetcher only decides what the consumer sees.
   sent when the window has room, replies parsed when the consumer looks. No thread hop,
   no GIL hand-off: a hit stays a ``dict.pop``. Used when the client offers it
   (``client.consumer_reads()``: Redis/Valkey and memcached, one server or a pool).
+  Each request is timed (``cache.latency()["read"]``) from sending to parsing its reply:
+  for a reply the consumer waited for that is the store's time; for read-ahead it
+  picked up later it is an upper bound (the reply may have sat in the socket buffer).
 * :class:`LoopSource` — reads through the asyncio core on the process's loop thread
   (any client: Redis Cluster, TLS, third-party providers). A batch costs one
   ``call_soon_threadsafe`` there and one append back; the consumer is woken only if it
@@ -97,8 +100,10 @@ class SocketSource(ReadSource):
         self.loop = loop
         self.conns = reads.connections
         self.route = reads.route
-        #: per connection, the ticket parts on its wire, oldest first: (ticket, positions)
-        self.parts: list[collections.deque[tuple[Ticket, list[int] | None]]] = [
+        self.histograms = cache.histograms
+        #: per connection, the ticket parts on its wire, oldest first:
+        #: (ticket, positions, perf_counter_ns when sent)
+        self.parts: list[collections.deque[tuple[Ticket, list[int] | None, int]]] = [
             collections.deque() for _ in self.conns]
         self.completed: list[Ticket] = []
 
@@ -115,6 +120,7 @@ class SocketSource(ReadSource):
                 skipped += len(keys) if positions is None else len(positions)
                 ticket.partial = True
                 continue
+            sent = time.perf_counter_ns()
             try:
                 conn.send_get(keys if positions is None else [keys[p] for p in positions])
             except StoreError as exc:
@@ -122,7 +128,7 @@ class SocketSource(ReadSource):
                 ticket.error = ticket.error or exc
                 self._lost(ci, exc)
                 continue
-            self.parts[ci].append((ticket, positions))
+            self.parts[ci].append((ticket, positions, sent))
             ticket.remaining += 1
         counters = self.cache.counters.shard()
         counters["keys_requested"] += len(keys)
@@ -148,7 +154,7 @@ class SocketSource(ReadSource):
     def wait(self, ticket: Ticket) -> bool:
         while not ticket.done:
             ci = next(ci for ci, parts in enumerate(self.parts)
-                      if any(t is ticket for t, _ in parts))
+                      if any(t is ticket for t, _, _ in parts))
             try:
                 reply = self.conns[ci].receive()
             except StoreError as exc:
@@ -158,7 +164,8 @@ class SocketSource(ReadSource):
         return True
 
     def _arrived(self, ci: int, reply: list[Any]) -> None:
-        ticket, positions = self.parts[ci].popleft()
+        ticket, positions, sent = self.parts[ci].popleft()
+        self.histograms.record("read", time.perf_counter_ns() - sent)
         if positions is None:
             ticket.values = reply
         else:
@@ -174,8 +181,10 @@ class SocketSource(ReadSource):
         """Connection ``ci`` broke (it closed itself): every part on its wire is lost."""
         self.policy.failed(self.conns[ci].node, "get", exc)
         parts = self.parts[ci]
+        now = time.perf_counter_ns()
         while parts:
-            ticket, _positions = parts.popleft()
+            ticket, _positions, sent = parts.popleft()
+            self.histograms.record("read", now - sent)  # it ended: failed after this long
             ticket.partial = True
             ticket.error = ticket.error or exc
             ticket.remaining -= 1

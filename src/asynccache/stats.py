@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 __all__ = ["CORE_COUNTERS", "Counters", "FailureLog"]
 
@@ -82,21 +82,30 @@ class FailureLog:
     """Logs the first failure of each kind at WARNING, the rest at DEBUG.
 
     A dead store fails every batch; one line per item (or per batch) would bury the
-    training log. The counters keep the totals.
+    training log. The counters keep the totals (they are never deduplicated: only the
+    log is).
+
+    "First" is per process unless ``claim`` is given: then the first time a process
+    sees a kind it asks ``claim(kind)`` whether it is the first of the whole job (a pipe
+    or node passes its stats board's :meth:`~asynccache.board.StatsBoard.claim`), so two
+    DataLoader workers, or the fresh workers of every epoch, log a dead store once.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, claim: Callable[[str], bool] | None = None) -> None:
         self._seen: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
+        self.claim = claim
 
     def first(self, operation: str, exc: BaseException) -> bool:
-        """True the first time this (operation, error type) is seen."""
+        """True the first time this (operation, error type) is seen (in the job, with
+        ``claim``; in this process otherwise)."""
         kind = (operation, type(exc).__name__)
         with self._lock:
             if kind in self._seen:
                 return False
             self._seen.add(kind)
-            return True
+        claim = self.claim
+        return claim is None or claim(f"{operation}-{kind[1]}")
 
     def report(self, operation: str, exc: BaseException, context: str) -> None:
         if not self.first(operation, exc):
