@@ -325,7 +325,7 @@ def root_handler() -> Iterator[_Keep]:
 
 def test_logger_is_silent_below_warning_by_default(root_handler: _Keep) -> None:
     log = logging.getLogger("asynccache")
-    assert any(isinstance(h, logging.NullHandler) for h in log.handlers)
+    assert log.level == logging.WARNING
     log.info("an info line")
     log.debug("a debug line")
     policy = ac.AsyncKVCache(ac.connect("memory://"), namespace="quiet").policy
@@ -334,6 +334,24 @@ def test_logger_is_silent_below_warning_by_default(root_handler: _Keep) -> None:
     mine = [r for r in root_handler.records if r.name.startswith("asynccache")]
     assert [r.levelno for r in mine] == [logging.WARNING]
     assert "get failed" in mine[0].getMessage()
+
+
+def test_without_logging_configured_the_warning_still_reaches_stderr() -> None:
+    """An application that never configured logging still hears, once, that the cache
+    failed -- and sees nothing else of ours."""
+    script = (
+        "import asynccache as ac, logging\n"
+        "logging.getLogger('asynccache').info('an info line')\n"
+        "policy = ac.AsyncKVCache(ac.connect('memory://'), namespace='loud').policy\n"
+        "for _ in range(3):\n"
+        "    policy.failed('node', 'get', ac.StoreTimeout('slow'))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "get failed" in lines[0], done.stderr
+    assert "an info line" not in done.stderr
 
 
 # -- logged once per job -------------------------------------------------------------------

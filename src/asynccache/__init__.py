@@ -76,13 +76,15 @@ __all__ = [
     "derive_namespace",
 ]
 
-# A library's logger: silent unless the application configures logging. Its one-time
-# failure warnings are WARNING; its DEBUG lines ("failed again") stay out of an
-# application that sets its root logger to INFO or DEBUG, until it lowers this level.
-# The periodic summary (asynccache.metrics.log_summary) logs at INFO on a child logger
-# that is left at INFO: a user who started it wants its lines.
+# The library's logger says nothing below WARNING unless asked: its DEBUG lines ("failed
+# again") stay out of an application that sets its root logger to INFO or DEBUG, until
+# it lowers this level. No NullHandler on purpose: the one-time failure warnings (the
+# only WARNINGs, once per kind per job) must reach stderr through logging's last-resort
+# handler when the application configured no logging at all -- a cache that silently
+# stopped caching is what a user must hear about. The periodic summary
+# (asynccache.metrics.log_summary) logs at INFO on a child logger left at INFO: a user
+# who started it wants its lines.
 _logger = _logging.getLogger("asynccache")
-_logger.addHandler(_logging.NullHandler())
 if _logger.level == _logging.NOTSET:
     _logger.setLevel(_logging.WARNING)
 _summary_logger = _logging.getLogger("asynccache.summary")
