@@ -40,6 +40,8 @@ from .errors import (
     StoreUnavailable,
     ValueTooLarge,
 )
+from .provider import Provider
+from .registry import register_scheme
 
 __version__ = "0.1.0"
 
@@ -61,6 +63,7 @@ __all__ = [
     "MemcachedClient",
     "MemoryClient",
     "MissingDependency",
+    "Provider",
     "RedisClient",
     "RedisClusterClient",
     "SignatureError",
@@ -72,4 +75,5 @@ __all__ = [
     "__version__",
     "connect",
     "derive_namespace",
+    "register_scheme",
 ]
