@@ -8,16 +8,16 @@ interface, like a third-party store would be.
 
 Choices, and why:
 
-* **One environment per process and path.** LMDB forbids opening one environment twice
-  in a process (its POSIX locks would be released by the second close), and an
-  environment must not be used across ``fork``. So environments live in a per-process
-  table keyed by the real path: every client on that path in this process shares one,
-  and a forked child parks the inherited one (never used, never closed: its finalizer
-  would unmap the parent's pages in the child for nothing) and opens its own. A pickle
-  carries only the path and the options. The first client to open a path in a process
-  decides its options; environments stay open for the life of the process (closing
-  one under another client of the same path would break it). ``reader_check()`` at
-  each open frees reader slots left by killed workers.
+* **One environment per process and path, closed across fork.** LMDB forbids opening
+  one environment twice in a process (its POSIX locks would be released by the second
+  close) and using one across ``fork``; py-lmdb refuses to open files that are already
+  open, which a forked child's inherited environment would be. So environments live in
+  a per-process table keyed by path: every client on that path in this process shares
+  one. Before this process forks (a DataLoader starting ``fork`` workers), it closes
+  them once no operation is using one (operations meanwhile wait); the child starts
+  with none, and both reopen on first use. A pickle carries only the path and the
+  options. The first client to open a path in a process decides its options.
+  ``reader_check()`` at each open frees reader slots left by killed workers.
 * **Reads** run where they are asked, in one read transaction per batch, through the
   memory map (``buffers=True``: LMDB hands out a view of the mapped page and the value
   is copied once, after the expiry header; ``buffers=False`` would copy it twice;
@@ -57,12 +57,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import os
 import re
 import struct
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
@@ -150,38 +151,88 @@ class _Settings:
 
 
 # -- per-process state: environments and the writer thread ----------------------------------
+#: How long a fork waits for this process' LMDB operations in flight to finish, so that
+#: it can close the environments first (see _before_fork).
+FORK_WAIT = 10.0
+
+
 class _Process:
-    """This process' environments (by real path) and its writer thread."""
+    """This process' environments (by real path), their users, its writer thread."""
 
     def __init__(self) -> None:
-        self.generation = _fork.generation
         self.envs: dict[str, Any] = {}
         self.writer: concurrent.futures.ThreadPoolExecutor | None = None
-        self.lock = threading.Lock()
+        self.idle = threading.Condition(threading.Lock())
+        self.users = 0          # operations between begin and end of their transaction
+        self.forking = False    # a fork is closing the environments: wait
 
 
 _process = _Process()
 
 
-def _here() -> _Process:
-    global _process
+def _before_fork() -> None:
+    """Close every environment before the process forks, once no operation is using one.
+
+    A forked child must not use its parent's environment (its reader slots carry the
+    parent's pid, and it holds none of the parent's file locks), must not close it
+    either (aborting the inherited transactions would free reader slots the parent
+    still uses), and py-lmdb refuses to open the same files again while it is open.
+    So the parent closes them here (new operations wait), the child starts with none,
+    and both reopen on first use. If operations are still running after ``FORK_WAIT``
+    seconds the environments stay open, and the child's LMDB operations fail (counted
+    store errors: values are computed).
+    """
     proc = _process
-    if proc.generation != _fork.generation:  # forked: the parent's maps and thread
-        _fork.park_inherited(proc)
-        proc = _process = _Process()
-    return proc
+    if not proc.envs:
+        return
+    with proc.idle:
+        proc.forking = True
+        deadline = time.monotonic() + FORK_WAIT
+        while proc.users and (left := deadline - time.monotonic()) > 0:
+            proc.idle.wait(left)
+        if not proc.users:
+            for env in proc.envs.values():
+                env.close()
+            proc.envs.clear()
 
 
-def _environment(settings: _Settings, where: str) -> Any:
-    proc = _here()
-    env = proc.envs.get(settings.path)
-    if env is not None:
-        return env
-    with proc.lock:
+def _after_fork_in_parent() -> None:
+    proc = _process
+    if proc.forking:
+        with proc.idle:
+            proc.forking = False
+            proc.idle.notify_all()
+
+
+def _after_fork_in_child() -> None:
+    global _process
+    _fork.park_inherited(_process)  # its lock may be held, its thread is gone
+    _process = _Process()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
+
+
+@contextlib.contextmanager
+def _using(settings: _Settings, where: str) -> Iterator[Any]:
+    """This process' environment for ``settings.path``, opened on first use, counted as
+    in use (a fork waits) until the block ends: begin and end transactions inside it."""
+    proc = _process
+    with proc.idle:
+        while proc.forking:
+            proc.idle.wait()
         env = proc.envs.get(settings.path)
         if env is None:
             env = proc.envs[settings.path] = _open(settings, where)
-    return env
+        proc.users += 1
+    try:
+        yield env
+    finally:
+        with proc.idle:
+            proc.users -= 1
+            if not proc.users and proc.forking:
+                proc.idle.notify_all()
 
 
 def _open(settings: _Settings, where: str) -> Any:
@@ -193,6 +244,12 @@ def _open(settings: _Settings, where: str) -> Any:
                         metasync=settings.sync, readahead=settings.readahead, lock=True,
                         subdir=True, create=True)
     except (OSError, lmdb.Error) as exc:
+        if "already open in this process" in str(exc):
+            raise StoreUnavailable(
+                f"LMDB {where}: this process was forked while its parent was still using "
+                f"the environment (for over {FORK_WAIT:g}s), so it cannot open it; start "
+                "DataLoader workers with multiprocessing_context='spawn' or 'forkserver', "
+                "or fork while no LMDB write is pending") from exc
         raise StoreUnavailable(
             f"cannot open the LMDB environment {where}: {exc}; check that the directory "
             "exists or can be created, and that this user may write it (LMDB needs write "
@@ -205,9 +262,9 @@ def _open(settings: _Settings, where: str) -> Any:
 
 
 def _writer() -> concurrent.futures.ThreadPoolExecutor:
-    proc = _here()
+    proc = _process
     if proc.writer is None:
-        with proc.lock:
+        with proc.idle:
             if proc.writer is None:
                 proc.writer = concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix="asynccache-lmdb-writer")
@@ -260,10 +317,10 @@ class LmdbClient(Provider):
     def safe_url(self) -> str:
         return f"lmdb://{self.path}"
 
-    @property
-    def env(self) -> Any:
-        """This process' environment for the path (opened on first use)."""
-        return _environment(self.settings, self.safe_url)
+    def using(self) -> contextlib.AbstractContextManager[Any]:
+        """``with client.using() as env``: this process' environment for the path
+        (opened on first use); begin and end transactions inside the block."""
+        return _using(self.settings, self.safe_url)
 
     # -- reads: in the calling thread ---------------------------------------------------
     def read_now(self, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -273,7 +330,7 @@ class LmdbClient(Provider):
         now = time.time()
         out: list[bytes | None] = []
         try:
-            with self.env.begin(buffers=True) as txn:
+            with self.using() as env, env.begin(buffers=True) as txn:
                 get = txn.get
                 for key in keys:
                     stored = get(key)
@@ -288,7 +345,7 @@ class LmdbClient(Provider):
     async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         now = time.time()
         try:
-            with self.env.begin(buffers=True) as txn:
+            with self.using() as env, env.begin(buffers=True) as txn:
                 return [_alive(txn.get(key), now) for key in keys]
         except lmdb.Error as exc:
             raise self._translate(exc, "read") from exc
@@ -299,11 +356,9 @@ class LmdbClient(Provider):
 
     # -- writes: one transaction each, on this process' writer thread -------------------
     async def _write(self, fn: Callable[[Any], T], what: str) -> T:
-        env = self.env
-
         def run() -> T:
             try:
-                with env.begin(write=True) as txn:
+                with self.using() as env, env.begin(write=True) as txn:
                     return fn(txn)
             except lmdb.Error as exc:
                 raise self._translate(exc, what) from exc
@@ -354,13 +409,14 @@ class LmdbClient(Provider):
     # -- administration ---------------------------------------------------------------------
     async def ping(self) -> None:
         try:
-            self.env.stat()
+            with self.using() as env:
+                env.stat()
         except lmdb.Error as exc:
             raise self._translate(exc, "stat") from exc
 
     async def server_info(self) -> dict[str, Any]:
-        env = self.env
-        info, stat = env.info(), env.stat()
+        with self.using() as env:
+            info, stat, max_key = env.info(), env.stat(), env.max_key_size()
         return {
             "version": "lmdb {}.{}.{}".format(*lmdb.version()),
             "py-lmdb": lmdb.__version__,
@@ -370,7 +426,7 @@ class LmdbClient(Provider):
             "entries": stat["entries"],
             "max_readers": info["max_readers"],
             "readers_in_use": info["num_readers"],
-            "max_key_size": env.max_key_size(),
+            "max_key_size": max_key,
             "max_value_size": self.max_value_size,
             "eviction": None,  # LMDB never evicts: size map_size or set a ttl
             "settings": asdict(self.settings),
@@ -396,7 +452,8 @@ class LmdbClient(Provider):
         now = time.time()
         out: list[tuple[bytes, int | None]] = []
         try:
-            with self.env.begin(buffers=True) as txn, txn.cursor() as cursor:
+            with self.using() as env, env.begin(buffers=True) as txn, \
+                    txn.cursor() as cursor:
                 if not cursor.set_range(after or prefix):
                     return out
                 for key, stored in cursor:
@@ -424,7 +481,7 @@ class LmdbClient(Provider):
                 "written), set a ttl, or delete old namespaces")
         if isinstance(exc, lmdb.BadValsizeError):
             return KeyTooLong(f"LMDB {where}: a key is empty or longer than LMDB's "
-                              f"{self.env.max_key_size()} bytes; use a shorter namespace or "
+                              "511 bytes; use a shorter namespace or "
                               "key_fn")
         if isinstance(exc, lmdb.ReadersFullError):
             return StoreUnavailable(
