@@ -203,5 +203,10 @@ def _dist(ep: metadata.EntryPoint) -> str:
 
 
 def describe(factory: Factory) -> str:
+    """``module.Class.method`` of a factory, for messages (a bound classmethod names the
+    class it is bound to, not the base class that defines it)."""
+    owner = getattr(factory, "__self__", None)
+    if isinstance(owner, type):
+        return f"{owner.__module__}.{owner.__qualname__}.{factory.__name__}"
     module = getattr(factory, "__module__", None) or "?"
     return f"{module}.{getattr(factory, '__qualname__', repr(factory))}"

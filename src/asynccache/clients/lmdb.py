@@ -70,6 +70,7 @@ from urllib.parse import unquote, urlsplit
 
 from .. import _fork
 from ..errors import (
+    CacheError,
     ConfigError,
     InvalidURL,
     KeyTooLong,
@@ -509,7 +510,14 @@ class _ConsumerConnection:
         self.replies: collections.deque[list[Any]] = collections.deque()
 
     def send_get(self, keys: Sequence[bytes]) -> None:
-        self.replies.append(self.client.read_now(keys))
+        try:
+            values = self.client.read_now(keys)
+        except CacheError:
+            raise
+        except Exception as exc:  # a bug (here or in a subclass) must not stop training
+            raise StoreError(f"{self.node}: reading raised {type(exc).__name__}: "
+                             f"{exc}") from exc
+        self.replies.append(values)
 
     def poll(self) -> list[list[Any]]:
         out = list(self.replies)
