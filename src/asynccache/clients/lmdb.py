@@ -39,7 +39,8 @@ Choices, and why:
   are, which refuses them: a counted decode error and a miss, never a wrong value.
 * **No eviction.** When the map is full a write fails with ``StoreRejected`` saying to
   raise ``map_size`` (counted as ``rejected``; training goes on, those values are not
-  cached). Size ``map_size`` for the dataset or set a ``ttl``. A large ``map_size``
+  cached); the batch is then retried key by key, so the values that still fit are
+  written. Size ``map_size`` for the dataset or set a ``ttl``. A large ``map_size``
   costs address space, not disk: the file grows as it is written.
 * Keys are at most 511 bytes (LMDB's limit): longer keys are a ``KeyTooLong``.
 
@@ -63,7 +64,7 @@ import re
 import struct
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
@@ -80,7 +81,7 @@ from ..errors import (
     StoreUnavailable,
 )
 from ..provider import Provider
-from .base import ConsumerReads
+from .base import ConsumerReads, WriteResult
 
 try:
     import lmdb
@@ -378,6 +379,27 @@ class LmdbClient(Provider):
 
         await self._write(put, "write")
 
+    async def write(self, entries: Mapping[bytes, bytes], ttl: float | None = None,
+                    skip: Collection[str] = ()) -> WriteResult:
+        """One transaction for the batch; when the map is full, one per key, so that the
+        values that still fit are written and only the others are rejected."""
+        result = await super().write(entries, ttl, skip)
+        node = self.node_names[0]
+        if len(entries) < 2 or not isinstance(result.failures.get(node), StoreRejected):
+            return result
+        out = WriteResult(answered=[node])
+        for key, value in entries.items():
+            try:
+                await self.set_many({key: value}, ttl)
+            except StoreRejected as exc:
+                out.rejected[key] = exc
+            except StoreError as exc:
+                out.failures[node] = exc
+                out.failed_keys += 1
+            else:
+                out.written += 1
+        return out
+
     async def add_many(self, entries: Mapping[bytes, bytes], ttl: float) -> list[bool]:
         if not entries:
             return []
@@ -567,14 +589,14 @@ def _path_of(url: str) -> str:
 def _check_writable(path: str) -> None:
     """The directory exists or can be made, and we may write it: said now, at connect(),
     rather than as a counted failure on every write."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"lmdb://{path} is not a directory; give the directory that "
+                          "holds (or will hold) data.mdb")
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"lmdb://{path}: cannot create the directory ({exc.strerror}); "
                           "choose a path this user may write") from exc
-    if not os.path.isdir(path):
-        raise ConfigError(f"lmdb://{path} is not a directory; give the directory that "
-                          "holds (or will hold) data.mdb")
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"lmdb://{path}: this user may not write the directory (LMDB "
                           "needs it for its lock file, even to read); fix its permissions "
