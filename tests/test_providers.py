@@ -369,3 +369,19 @@ def test_broken_entry_point_names_its_distribution(tmp_path: Path) -> None:
     assert "broken-store 1.2.3" in broken and "outside_provider.nosuch" in broken
     assert "ModuleNotFoundError" in broken and "uninstall" in broken
     assert "store-a" in twice and "store-b" in twice and "register_scheme" in twice
+
+
+# -- the README's example provider runs as written -----------------------------------------
+def test_readme_provider_example_runs(tmp_path: Path) -> None:
+    readme = (TESTS.parent / "README.md").read_text()
+    block = readme.split("<!-- provider-example:start -->")[1].split(
+        "<!-- provider-example:end -->")[0]
+    code = block.strip().removeprefix("```python").removesuffix("```")
+    assert "class FilesStore(ac.Provider)" in code
+    script = tmp_path / "files_store.py"
+    script.write_text(code.replace("/tmp/asynccache-files-demo", str(tmp_path / "files")))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(SRC)}, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "100 hits"
+    assert len(list((tmp_path / "files").iterdir())) == 100  # one file per value
