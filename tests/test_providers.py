@@ -58,6 +58,11 @@ def provider_url(kind: str, tmp_path: Path, query: str = "") -> str:
 
 
 # -- register_scheme ----------------------------------------------------------------------
+def test_public_names() -> None:
+    assert {"Provider", "register_scheme"} <= set(ac.__all__)
+    assert issubclass(ac.Provider, ac.BaseClient) and issubclass(LmdbClient, ac.Provider)
+
+
 @pytest.mark.parametrize("scheme", ["", "1abc", "my store", "my_store", "ä", "a/b"])
 def test_a_scheme_must_be_a_url_scheme(scheme: str) -> None:
     with pytest.raises(ac.ConfigError, match="not a URL scheme"):
