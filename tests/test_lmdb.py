@@ -137,7 +137,7 @@ def test_map_full_is_rejected_counted_and_training_goes_on(tmp_path: Path,
         for _ in range(2):
             got = [dp[i] for i in range(40)]
             assert [v["i"] for v in got] == list(range(40))
-        dp.flush()
+            dp.flush()  # write-behind: the second pass must find what fitted
         stats = dp.stats()
     assert stats["rejected"] > 0 and stats["hits"] > 0  # some fitted, the rest did not
     assert any("raise map_size" in r.getMessage() for r in caplog.records)
