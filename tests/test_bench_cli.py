@@ -17,7 +17,7 @@ import pytest
 
 from asynccache.__main__ import main
 
-OURS = ("core", "datapipe", "latency", "network")
+OURS = ("core", "datapipe", "latency", "network", "local")
 
 
 def ratios(node: Any, path: str = "") -> Iterator[tuple[str, Any]]:
@@ -82,6 +82,11 @@ def test_smoke_run_writes_tables_json_and_plots(
     levels = doc["modules"]["network"]["results"]["levels"]
     assert {level["rtt_added_s"] for level in levels} >= {0.0, 1e-3}
     assert all(level["ping_us"] > 0 for level in levels)
+    local = doc["modules"]["local"]["results"]
+    assert {block["value_bytes"] for block in local["by_size"]} == {4096, 256 * 1024}
+    for block in local["by_size"]:
+        assert set(block["cases"]) == {"lmdb", "redis-unix"}
+        assert all(v > 0 for case in block["cases"].values() for v in case.values())
 
     found = list(ratios(doc))
     assert len(found) > 50

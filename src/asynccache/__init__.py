@@ -42,6 +42,8 @@ from .errors import (
     StoreUnavailable,
     ValueTooLarge,
 )
+from .provider import Provider
+from .registry import register_scheme
 
 __version__ = "0.1.0"
 
@@ -63,6 +65,7 @@ __all__ = [
     "MemcachedClient",
     "MemoryClient",
     "MissingDependency",
+    "Provider",
     "RedisClient",
     "RedisClusterClient",
     "SignatureError",
@@ -74,6 +77,7 @@ __all__ = [
     "__version__",
     "connect",
     "derive_namespace",
+    "register_scheme",
 ]
 
 # The library's logger says nothing below WARNING unless asked: its DEBUG lines ("failed

@@ -9,6 +9,12 @@ Accepted forms::
     rediss+cluster://...                                           (TLS to every node)
     memcached://host[:port][,host[:port]...][?option=value]        (port 11211)
     memory://[name]
+    lmdb:///path/to/dir[?map_size=64GiB&option=value]              (one machine, no server)
+    scheme://...                                                   (a registered provider)
+
+Other schemes come from providers (:class:`asynccache.Provider`), registered with
+:func:`asynccache.register_scheme` or as ``asynccache.stores`` entry points: their
+factory gets the whole URL and the keyword options (see :mod:`asynccache.registry`).
 
 Options (query string or keyword, keywords win): ``timeout`` and ``connect_timeout``
 (seconds), ``max_batch`` (keys per multi-get) and ``item_size`` (bytes: memcached's
@@ -64,16 +70,17 @@ import os
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+from . import registry
 from .clients import BaseClient, MemcachedClient, MemoryClient, RedisClient, RedisClusterClient
 from .clients.endpoint import TlsSettings
-from .errors import ConfigError, InvalidURL
+from .errors import CacheError, ConfigError, InvalidURL
 
 __all__ = ["connect"]
 
 ACCEPTED = (
     "redis://host:port/db, rediss://host:port/db, unix:///path/to/redis.sock, "
     "redis+cluster://host:port,host:port, rediss+cluster://host:port,host:port, "
-    "memcached://host:port[,host:port], memory://"
+    "memcached://host:port[,host:port], memory://, lmdb:///path/to/dir"
 )
 _FLOAT_OPTIONS = {"timeout", "connect_timeout"}
 _INT_OPTIONS = {"max_batch", "item_size", "db"}
@@ -202,6 +209,13 @@ def _connect(url: str, options: dict[str, Any]) -> BaseClient[Any]:
         raise InvalidURL(f"not a store URL: {url!r}; accepted forms: {ACCEPTED}")
     scheme, _, rest = url.partition("://")
     scheme = scheme.lower()
+    factory = registry.lookup(scheme)
+    if factory is not None:
+        return _from_factory(scheme, factory, url, options)
+    if scheme == "lmdb":
+        from .clients.lmdb import LmdbClient  # imports the lmdb package: only when asked
+
+        return LmdbClient.from_url(url, **options)
     netloc, _, query = rest.partition("?")
     netloc, _, path = netloc.partition("/")
     opts = {**_options(query, url), **options}
@@ -249,4 +263,28 @@ def _connect(url: str, options: dict[str, Any]) -> BaseClient[Any]:
         return MemcachedClient(servers=servers, tls=tls, **opts)
     if scheme == "memory":
         return MemoryClient(name=netloc or "default", **opts)
-    raise InvalidURL(f"unknown scheme {scheme!r} in {_mask(url)}; accepted forms: {ACCEPTED}")
+    others = [name for name in registry.known_schemes() if name not in registry.BUILTIN_SCHEMES]
+    registered = (f"; registered by providers: {', '.join(others)}" if others else
+                  "; no provider registered another scheme (asynccache.register_scheme, or "
+                  f"an {registry.ENTRY_POINT_GROUP!r} entry point)")
+    raise InvalidURL(f"unknown scheme {scheme!r} in {_mask(url)}; accepted forms: "
+                     f"{ACCEPTED}{registered}")
+
+
+def _from_factory(scheme: str, factory: registry.Factory, url: str,
+                  options: dict[str, Any]) -> BaseClient[Any]:
+    """A registered provider's client, checked: its mistakes are ConfigErrors naming it."""
+    try:
+        client = factory(url, **options)
+    except CacheError:
+        raise
+    except Exception as exc:
+        raise ConfigError(
+            f"connect({_mask(url)!r}): the factory registered for {scheme!r} "
+            f"({registry.describe(factory)}) raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(client, BaseClient):
+        raise ConfigError(
+            f"the factory registered for {scheme!r} ({registry.describe(factory)}) returned "
+            f"a {type(client).__name__}, not a client: it must return an asynccache.Provider "
+            "(or BaseClient) instance")
+    return client

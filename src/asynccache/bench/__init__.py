@@ -17,7 +17,9 @@ and prefetch depth on Redis, Valkey and memcached, with six peers in the same ru
 ``network`` (the same through a loopback proxy that adds round-trip latency) and
 ``dataloader`` (DataLoader memory, sharing and epoch time; written separately) and
 ``workers`` (warm shuffled epochs with 2 and 4 workers, with and without read-ahead that
-follows the sampler, at loopback and +1 ms; the node against the pipe and a plain Mapper).
+follows the sampler, at loopback and +1 ms; the node against the pipe and a plain Mapper)
+and ``local`` (one machine, no network: LMDB against Redis on a unix socket, warm, through
+a DataLoader with 2 workers and ``dp[i]`` in process, at 4 KiB and 256 KiB).
 
 Method, everywhere: values are written once, then read warm. Every case gets warm-up
 runs, then the cases of one comparison are timed round-robin (A B C A B C ...) so that
@@ -32,4 +34,4 @@ from __future__ import annotations
 __all__ = ["MODULES"]
 
 #: benchmark modules in the order a full run goes through them
-MODULES = ("core", "datapipe", "latency", "network", "dataloader", "workers")
+MODULES = ("core", "datapipe", "latency", "network", "dataloader", "workers", "local")

@@ -1,6 +1,7 @@
 """``asynccache bench``: run the benchmarks, print tables, write JSON, markdown and PNGs.
 
-    asynccache bench [--quick] [--out DIR] [--only core,datapipe,latency,network,dataloader]
+    asynccache bench [--quick] [--out DIR]
+                     [--only core,datapipe,latency,network,dataloader,workers,local]
                      [--servers redis,valkey,memcached]
                      [--url-redis URL] [--url-valkey URL] [--url-memcached URL]
                      [--reps N] [--no-progress]

@@ -1,0 +1,306 @@
+"""``asynccache.Provider``: the public base class for a store written outside asynccache.
+
+Subclass it, implement four async methods, register a URL scheme, and every part of
+asynccache (the core, the pipe, the node, the failure policy, leases) works over your
+store::
+
+    class MyStore(ac.Provider):
+        scheme = "mystore"
+
+        def open_connection(self):              # once per process and event loop
+            return mylib.connect(self.url)
+
+        async def get_many(self, keys):          # bytes keys -> bytes value or None
+            return [self.connection.get(k) for k in keys]
+
+        async def set_many(self, mapping, ttl=None): ...
+        async def delete_many(self, keys): ...
+        async def ping(self): ...
+
+    ac.register_scheme("mystore", MyStore.from_url)
+    client = ac.connect("mystore://somewhere?timeout=2")
+
+What the base does for you, and why:
+
+* **Configuration only in pickles.** DataLoader workers (fork, spawn, forkserver) and
+  checkpoints get a pickled client: the instance's attributes are pickled, the
+  connection is not. Keep everything a worker needs to reconnect in plain attributes
+  set in ``__init__``, and live objects only in what :meth:`Provider.open_connection`
+  returns.
+* **One connection per process and event loop**, opened lazily on first use of
+  :attr:`Provider.connection` inside an operation. asyncio objects belong to one loop,
+  and sockets, file handles and memory maps must not be shared with a forked child: a
+  child never touches its parent's connection (it is kept alive, untouched, so that
+  its finalizer cannot disturb the parent) and opens its own.
+* **Every operation you define is guarded**: bounded by ``timeout`` seconds
+  (``StoreTimeout`` past it) and an exception that is not a ``StoreError`` or a
+  ``ConfigError`` becomes a ``StoreError`` naming your class, the original as its
+  ``__cause__``. In the default ``on_error="fallback"`` mode that makes a bug or an
+  outage of your store a counted miss, never an exception in the training loop. The
+  timeout can only interrupt an ``await``: run blocking library calls in a thread
+  (``await asyncio.to_thread(...)``), or keep them short (a local file, an mmap).
+* **Errors you raise** say what the core should do: ``StoreUnavailable`` (cannot
+  reach it: the store is backed off for a moment), ``StoreTimeout``, ``StoreRejected``
+  (it refused these values, e.g. it is full: counted as rejected, not backed off), or
+  ``ConfigError`` (the user must fix a setting: raised even in fallback mode).
+
+Optional hooks, with defaults that are always correct:
+
+* ``add_many(entries, ttl)``: set-if-absent with expiry. What ``lease=`` uses; without
+  it leases are ignored (logged once) and every process computes its own misses.
+* ``consumer_reads()``: the consumer-side fast path. ``None`` by default: read-ahead
+  then runs through asynccache's event-loop thread, which costs one thread hand-off
+  per batch. Return a :class:`~asynccache.clients.base.ConsumerReads` when your store
+  can be read from any thread without an event loop (a local file or memory map, a
+  blocking socket of the thread's own): ``dp[i]`` hits are then read right in the
+  calling thread. See :mod:`asynccache.clients.lmdb` for one.
+* ``max_value_size`` (a class or instance attribute): the largest value your store
+  takes in one item; larger values are chunked by the core. ``None``: no limit.
+* ``expiry_slack``: how late your store may expire a key (whole-second clocks).
+* ``server_info()``, ``scan(prefix)``, ``contains_many(keys)``: what the
+  ``asynccache`` command line shows and counts. The defaults describe the provider,
+  say that listing is not supported, and read the values to test presence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, ClassVar, TypeVar
+from urllib.parse import parse_qsl, urlsplit
+
+from .clients.base import (
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_TIMEOUT,
+    BaseClient,
+    ConsumerReads,
+)
+from .errors import ConfigError, InvalidURL, StoreError, StoreTimeout
+
+__all__ = ["GUARDED", "Provider"]
+
+T = TypeVar("T")
+
+#: The operations a subclass may define that the base bounds and translates.
+GUARDED = ("get_many", "set_many", "delete_many", "ping", "add_many", "contains_many",
+           "server_info")
+#: Exceptions that pass through the guard unchanged: store trouble already said in our
+#: terms, settings the user must fix, and "this store has no such operation".
+_PASS = (StoreError, ConfigError, NotImplementedError)
+#: asyncio's timeout is the builtin one from 3.11 on, its own class before
+_TIMEOUTS = (TimeoutError, asyncio.TimeoutError)
+#: Options every provider takes (from the URL's query string too).
+_COMMON = {"timeout": float, "connect_timeout": float, "max_batch": int}
+
+
+class _Held:
+    """This process' and loop's connection (a slot: ``None`` is a valid connection)."""
+
+    __slots__ = ("conn",)
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+
+def _mask_password(url: str) -> str:
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        return url
+    if password is None:
+        return url
+    return url.replace(f":{password}@", ":***@", 1)
+
+
+class Provider(BaseClient[_Held]):
+    """Base class for third-party stores: subclass, implement, ``register_scheme``.
+
+    ``url`` is the URL the provider was built from (kept for ``repr`` and logs, with
+    any password masked); ``timeout`` bounds each operation, ``connect_timeout`` is
+    yours to use when you open a connection, ``max_batch`` is how many keys the core
+    puts in one ``get_many`` (it may still send fewer or more; chunk if you must).
+    """
+
+    #: The URL scheme, for messages; set it on your subclass.
+    scheme: ClassVar[str] = "provider"
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        max_batch: int = DEFAULT_MAX_BATCH,
+    ) -> None:
+        super().__init__(timeout=timeout, connect_timeout=connect_timeout, max_batch=max_batch)
+        self.url = url if url is not None else f"{self.scheme}://"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in GUARDED:
+            fn = cls.__dict__.get(name)
+            if fn is not None and not getattr(fn, "_asynccache_guarded", False):
+                if not inspect.iscoroutinefunction(fn):
+                    raise TypeError(f"{cls.__qualname__}.{name} must be an `async def`")
+                setattr(cls, name, _guard(name, fn))
+        scan = cls.__dict__.get("scan")
+        if scan is not None and not getattr(scan, "_asynccache_guarded", False):
+            if not inspect.isasyncgenfunction(scan):
+                raise TypeError(f"{cls.__qualname__}.scan must be an async generator "
+                                "(`async def` with `yield`)")
+            cls.scan = _guard_scan(scan)  # type: ignore[method-assign]
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> Provider:
+        """The default factory for :func:`asynccache.register_scheme`: ``cls(url,
+        **options)``, with the URL's query string as options (keywords win).
+
+        ``timeout``, ``connect_timeout`` and ``max_batch`` are converted to numbers;
+        other query options arrive as strings (convert them in your ``__init__``).
+        An option your ``__init__`` does not take is a ``ConfigError`` naming it.
+        """
+        query = urlsplit(url).query
+        merged: dict[str, Any] = {}
+        for name, raw in parse_qsl(query, keep_blank_values=True):
+            convert = _COMMON.get(name)
+            try:
+                merged[name] = convert(raw) if convert else raw
+            except ValueError:
+                raise InvalidURL(f"option {name}={raw!r} in {_mask_password(url)} is not a "
+                                 "number") from None
+        merged.update(options)
+        try:
+            inspect.signature(cls).bind(url, **merged)
+        except TypeError as exc:
+            raise ConfigError(f"{_mask_password(url)}: {exc} ({cls.__qualname__} does not "
+                              "take that option)") from None
+        return cls(url, **merged)
+
+    # -- the connection -------------------------------------------------------------------
+    def open_connection(self) -> Any:
+        """Create this process' and event loop's connection; returned as
+        :attr:`connection`. Called on first use, inside the running loop; no network
+        round trips here (they would not be bounded): connect lazily, or in an
+        operation. The default has no connection (``None``)."""
+        return None
+
+    def close_connection(self, conn: Any) -> Awaitable[None] | None:
+        """Close what :meth:`open_connection` returned (may be ``async def``). Called
+        by :meth:`close` in the loop that opened it; never in a forked child for its
+        parent's connection."""
+        return None
+
+    @property
+    def connection(self) -> Any:
+        """This process' and running loop's connection, opened on first use."""
+        try:
+            return self._state().conn
+        except RuntimeError as exc:
+            if "no running event loop" not in str(exc):
+                raise
+            raise RuntimeError(
+                f"{type(self).__qualname__}.connection is per event loop: use it inside the "
+                "provider's async operations") from None
+
+    def _open_state(self) -> _Held:
+        return _Held(self.open_connection())
+
+    async def _close_state(self, state: _Held) -> None:
+        closing = self.close_connection(state.conn)
+        if inspect.isawaitable(closing):
+            await closing
+
+    # -- description ------------------------------------------------------------------------
+    @property
+    def safe_url(self) -> str:
+        """The URL with any password masked; override if yours holds other secrets."""
+        return _mask_password(self.url)
+
+    # -- optional hooks -----------------------------------------------------------------------
+    def consumer_reads(self) -> ConsumerReads | None:
+        """None: read-ahead goes through the event-loop thread (see the module docs)."""
+        return None
+
+    async def server_info(self) -> dict[str, Any]:
+        """What the command line shows for ``asynccache ping``/``stats``."""
+        return {"provider": f"{type(self).__module__}.{type(self).__qualname__}",
+                "scheme": self.scheme, "max_value_size": self.max_value_size}
+
+    async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is present; the default reads the values."""
+        return [value is not None for value in await self.get_many(keys)]
+
+    async def scan(self, prefix: bytes, batch: int = 1000
+                   ) -> AsyncIterator[list[tuple[bytes, int | None]]]:
+        """Batches of ``(key, size of its value in bytes or None)`` for the keys that
+        start with ``prefix``. The default: not supported (NotImplementedError)."""
+        raise NotImplementedError(f"{type(self).__qualname__} cannot list its keys")
+        yield []  # pragma: no cover  (makes this an async generator)
+
+
+# -- the guard ------------------------------------------------------------------------------
+if sys.version_info >= (3, 11):
+    async def _within(seconds: float, awaitable: Awaitable[T]) -> T:
+        async with asyncio.timeout(seconds):  # no Task per call, unlike wait_for
+            return await awaitable
+else:  # pragma: no cover
+    async def _within(seconds: float, awaitable: Awaitable[T]) -> T:
+        return await asyncio.wait_for(awaitable, seconds)
+
+
+def _timed_out(self: Provider, name: str) -> StoreTimeout:
+    return StoreTimeout(
+        f"{self.scheme} store did not answer {name} within {self.timeout:g}s "
+        f"({self.safe_url}); raise `timeout=` in connect() if the store is just slow")
+
+
+def _translated(self: Provider, name: str, exc: Exception) -> StoreError:
+    error = StoreError(f"{self.safe_url}: {type(self).__qualname__}.{name} raised "
+                       f"{type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+def _guard(name: str, fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    @functools.wraps(fn)
+    async def guarded(self: Provider, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await _within(self.timeout, fn(self, *args, **kwargs))
+        except _PASS:
+            raise
+        except _TIMEOUTS as exc:  # ours (asyncio.timeout) or the provider's own
+            raise _timed_out(self, name) from exc
+        except Exception as exc:
+            raise _translated(self, name, exc) from exc
+
+    guarded._asynccache_guarded = True  # type: ignore[attr-defined]
+    return guarded
+
+
+def _guard_scan(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    @functools.wraps(fn)
+    async def guarded(self: Provider, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        inner = fn(self, *args, **kwargs)
+        try:
+            while True:
+                try:
+                    item = await _within(self.timeout, inner.__anext__())
+                except StopAsyncIteration:
+                    return
+                except _PASS:
+                    raise
+                except _TIMEOUTS as exc:
+                    raise _timed_out(self, "scan") from exc
+                except Exception as exc:
+                    raise _translated(self, "scan", exc) from exc
+                yield item
+        finally:
+            await inner.aclose()
+
+    guarded._asynccache_guarded = True  # type: ignore[attr-defined]
+    return guarded
