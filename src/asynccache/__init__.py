@@ -38,6 +38,7 @@ from .errors import (
     StoreRejected,
     StoreTimeout,
     StoreUnavailable,
+    Unsupported,
     ValueTooLarge,
 )
 
@@ -68,6 +69,7 @@ __all__ = [
     "StoreRejected",
     "StoreTimeout",
     "StoreUnavailable",
+    "Unsupported",
     "ValueTooLarge",
     "__version__",
     "connect",
