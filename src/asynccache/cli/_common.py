@@ -16,7 +16,7 @@ from typing import Any
 
 from ..clients.base import BaseClient
 from ..connect import connect
-from ..errors import CacheError, ConfigError, StoreError
+from ..errors import CacheError, ConfigError, StoreError, Unsupported
 from ..keys import check_namespace
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "guarded",
     "human_bytes",
     "namespace_arg",
+    "positive_float",
     "positive_int",
     "store_url",
     "usage_error",
@@ -120,12 +121,15 @@ def usage_error(args: argparse.Namespace, message: str) -> int:
 
 def guarded(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """``run`` with the exit codes applied: a ConfigError (for the user to fix) is a usage
-    error, 2; a StoreError is a failure, 1; both one line, no traceback."""
+    error, 2; a StoreError, or a store that cannot do it (Unsupported: the command line
+    was right), is a failure, 1; each one line, no traceback."""
 
     @functools.wraps(run)
     def wrapper(args: argparse.Namespace) -> int:
         try:
             return run(args)
+        except Unsupported as exc:
+            return failed(args, str(exc))
         except ConfigError as exc:
             return usage_error(args, str(exc))
         except StoreError as exc:
