@@ -40,6 +40,7 @@ from .errors import (
     StoreRejected,
     StoreTimeout,
     StoreUnavailable,
+    Unsupported,
     ValueTooLarge,
 )
 from .provider import Provider
@@ -73,6 +74,7 @@ __all__ = [
     "StoreRejected",
     "StoreTimeout",
     "StoreUnavailable",
+    "Unsupported",
     "ValueTooLarge",
     "__version__",
     "connect",

@@ -28,6 +28,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
 }
 COMMANDS["bench"] = ("asynccache.bench.cli", "benchmarks against peers: tables, JSON, plots")
+COMMANDS["ping"] = ("asynccache.cli.ping", "round-trip time, server versions and item size "
+                    "limit of a store")
+COMMANDS["stats"] = ("asynccache.cli.stats", "keys and bytes of a namespace in a store, and "
+                     "its hit rate in the processes of this machine")
+COMMANDS["flush"] = ("asynccache.cli.flush", "delete one namespace's keys (values, chunks, "
+                     "leases) from a store")
+COMMANDS["warm"] = ("asynccache.cli.warm", "fill a store from a map-style dataset, in "
+                    "parallel, resumably")
+COMMANDS["serve"] = ("asynccache.cli.serve", "run a local redis, valkey or memcached for "
+                     "development until Ctrl-C")
 
 #: a command's optional imports -> the extra that installs them
 EXTRA_FOR_COMMAND = {"demo": "demo", "bench": "bench"}

@@ -24,12 +24,27 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-__all__ = ["REPORT_INTERVAL", "StatsBoard"]
+__all__ = ["META_FILE", "REPORT_INTERVAL", "StatsBoard"]
 
 #: Seconds between two reports of one process (the "at most about a second old").
 REPORT_INTERVAL = 1.0
 _STALE_AFTER = 24 * 3600
+#: The board's label (namespace, owner pid); not ``*.json``, so collect() never reads it.
+META_FILE = "board.meta"
+
+
+def _alive(pid: object) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process with that pid: not ours, but alive
+        return True
+    return True
 
 
 def _base_dir() -> Path:
@@ -69,6 +84,38 @@ class StatsBoard:
                 if pid != own and isinstance(counters, dict):
                     found[pid] = {k: int(v) for k, v in counters.items()}
         return found
+
+    # -- for a process outside the job (``asynccache stats``) -------------------------------
+    def label(self, namespace: str | None) -> None:
+        """Record which namespace the board counts for and which process owns it, so a
+        process that did not build the pipe can find the boards of a namespace."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        partial = self.directory / f".{os.getpid()}.meta.tmp"
+        partial.write_text(json.dumps({"namespace": namespace, "owner": os.getpid()}))
+        os.replace(partial, self.directory / META_FILE)
+
+    def metadata(self) -> dict[str, Any] | None:
+        """What :meth:`label` recorded, or None (an unlabelled or vanished board)."""
+        try:
+            found = json.loads((self.directory / META_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+        return found if isinstance(found, dict) else None
+
+    @classmethod
+    def labelled(cls, namespace: str) -> list[StatsBoard]:
+        """This user's boards on this machine labelled with ``namespace`` whose owner
+        process is still running (a crashed job's board is not current)."""
+        root = cls("-").root
+        boards = []
+        with contextlib.suppress(FileNotFoundError):
+            for directory in sorted(root.iterdir()):
+                board = cls(directory.name)
+                meta = board.metadata()
+                if meta is not None and meta.get("namespace") == namespace \
+                        and _alive(meta.get("owner")):
+                    boards.append(board)
+        return boards
 
     def remove(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)

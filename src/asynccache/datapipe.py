@@ -291,7 +291,7 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         # Validates namespace / client / on_error now, in the caller, not in a worker.
         probe = AsyncKVCache(client, self.namespace, ttl, codec, on_error, lease=lease,
                              l1_bytes=l1_bytes)
-        self._reports = Reports(secrets.token_hex(8))
+        self._reports = Reports(secrets.token_hex(8), self.namespace)
         self._reports.bind(self)
         self._prefix = probe.prefix
         self._max_key_size = probe.max_key_size

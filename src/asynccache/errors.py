@@ -10,7 +10,8 @@ redis-py's ``ConnectionError``/``TimeoutError`` shadow the builtins and never es
     │   ├── InvalidURL         connect() could not parse the URL
     │   ├── KeyTooLong         namespace + key longer than the store accepts
     │   ├── KeyEncodingError   a key of a type the documented key encoding does not cover
-    │   └── MissingDependency  an optional package (torch, zstandard, ...) is needed
+    │   ├── MissingDependency  an optional package (torch, zstandard, ...) is needed
+    │   └── Unsupported        the store cannot do what was asked (e.g. list its keys)
     ├── EncodeError            the value cannot be serialised (unpicklable, too large)
     │   └── ValueTooLarge      larger than the store allows and chunking is off
     ├── DecodeError            bytes under a key are not a value asynccache wrote for that key
@@ -41,6 +42,7 @@ __all__ = [
     "StoreRejected",
     "StoreTimeout",
     "StoreUnavailable",
+    "Unsupported",
     "ValueTooLarge",
 ]
 
@@ -67,6 +69,11 @@ class KeyEncodingError(ConfigError, TypeError):
 
 class MissingDependency(ConfigError, ImportError):
     """An optional dependency is needed for the requested feature."""
+
+
+class Unsupported(ConfigError):
+    """The store (or its provider) cannot do what was asked, such as listing its keys for
+    ``asynccache stats`` / ``flush``; the message names what to use instead."""
 
 
 class EncodeError(CacheError):

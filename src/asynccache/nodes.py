@@ -218,7 +218,7 @@ class CachedMapper(BaseNode[T]):
         self.l1_bytes = l1_bytes
         probe = AsyncKVCache(client, self.namespace, ttl, codec, on_error,  # validates now
                              l1_bytes=l1_bytes)
-        self._reports = Reports(secrets.token_hex(8))
+        self._reports = Reports(secrets.token_hex(8), self.namespace)
         self._reports.bind(self)
         self._prefix = probe.prefix
         self._max_key_size = probe.max_key_size

@@ -68,7 +68,7 @@ import asyncio
 import functools
 import inspect
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, ClassVar, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
@@ -227,20 +227,15 @@ class Provider(BaseClient[_Held]):
         return None
 
     async def server_info(self) -> dict[str, Any]:
-        """What the command line shows for ``asynccache ping``/``stats``."""
-        return {"provider": f"{type(self).__module__}.{type(self).__qualname__}",
-                "scheme": self.scheme, "max_value_size": self.max_value_size}
+        """What the command line shows for ``asynccache ping``/``stats``: the base's
+        fields and which provider class serves the scheme."""
+        return {**await super().server_info(),
+                "provider": f"{type(self).__module__}.{type(self).__qualname__}",
+                "scheme": self.scheme}
 
-    async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether each key is present; the default reads the values."""
-        return [value is not None for value in await self.get_many(keys)]
-
-    async def scan(self, prefix: bytes, batch: int = 1000
-                   ) -> AsyncIterator[list[tuple[bytes, int | None]]]:
-        """Batches of ``(key, size of its value in bytes or None)`` for the keys that
-        start with ``prefix``. The default: not supported (NotImplementedError)."""
-        raise NotImplementedError(f"{type(self).__qualname__} cannot list its keys")
-        yield []  # pragma: no cover  (makes this an async generator)
+    # contains_many() (reads the values) and scan() (raises Unsupported: stats and flush
+    # then say the store cannot list keys) are BaseClient's defaults: override them
+    # when the store can do better.
 
 
 # -- the guard ------------------------------------------------------------------------------

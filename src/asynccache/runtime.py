@@ -9,6 +9,7 @@ its visibility guarantee and leases behave the same in both.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import threading
 import weakref
@@ -32,14 +33,28 @@ class Reports:
     """The stats board of one pipe or node, as seen from its owner (the process that
     built it) and from its copies (DataLoader workers), which publish to it."""
 
-    def __init__(self, board_id: str) -> None:
+    def __init__(self, board_id: str, namespace: str | None = None) -> None:
         self.board = StatsBoard(board_id)
         self.owner_pid = os.getpid()
+        self.namespace = namespace
 
     def bind(self, owner: object) -> None:
-        """Owner side: sweep old boards; remove this one when ``owner`` is let go of."""
+        """Owner side: sweep old boards; label this one with the namespace (what
+        ``asynccache stats`` looks for); remove it when ``owner`` is let go of."""
         self.board.sweep()
+        with contextlib.suppress(OSError):
+            self.board.label(self.namespace)
         weakref.finalize(owner, _remove_if_owner, self.board, self.owner_pid)
+
+    def publish(self, counters: dict[str, int],
+                latency: dict[str, list[int]] | None = None) -> None:
+        """Write this process's counters (and request histograms); the owner's only while
+        its board exists (once removed, a late report must not bring it back)."""
+        if self.owner and not self.board.directory.is_dir():
+            return
+        self.board.publish(counters)
+        if latency is not None:
+            self.board.publish_latency(latency)
 
     @property
     def owner(self) -> bool:
@@ -72,6 +87,12 @@ class Reports:
         return merge([local, *self.latency_others().values()])
 
 
+def _report_weakly(ref: weakref.ref[CacheRuntime]) -> None:
+    runtime = ref()
+    if runtime is not None:
+        runtime._report()
+
+
 def _remove_if_owner(board: StatsBoard, owner_pid: int) -> None:
     if os.getpid() == owner_pid:  # a forked child inherits this finalizer: not its board
         board.remove()
@@ -96,8 +117,10 @@ class CacheRuntime:
         self.writes: dict[bytes, bytes] = {}
         self.write_scheduled = False
         self.loop.call_soon(client.retain)
-        #: a copy outside the owner's process publishes its counters every second
-        self.reports = reports if reports is not None and not reports.owner else None
+        #: every copy publishes its counters every second: those in DataLoader workers for
+        #: the owner's stats(), the owner's own for a process outside the job (``asynccache
+        #: stats``); the owner's stats() skips its own file
+        self.reports = reports
         self._snapshot = snapshot
         self._timer: Any = None
         if self.reports is not None and snapshot is not None:
@@ -105,7 +128,9 @@ class CacheRuntime:
 
     # -- reports (loop thread) -----------------------------------------------------------
     def _report_later(self) -> None:
-        self._timer = self.loop.loop.call_later(REPORT_INTERVAL, self._report)
+        # a weak reference: the timer must not keep a pipe nobody uses alive
+        self._timer = self.loop.loop.call_later(REPORT_INTERVAL, _report_weakly,
+                                                weakref.ref(self))
 
     def _report(self) -> None:
         self.publish()
@@ -113,13 +138,12 @@ class CacheRuntime:
             self._report_later()
 
     def publish(self) -> None:
-        """Write this process's counters to the owner's board (copies only)."""
+        """Write this process's counters to the board."""
         if self.reports is None or self._snapshot is None:
             return
         try:
-            self.reports.board.publish(self._snapshot())
-            self.reports.board.publish_latency(
-                {kind: latency.to_row() for kind, latency in self.cache.latency().items()})
+            self.reports.publish(self._snapshot(), {
+                kind: latency.to_row() for kind, latency in self.cache.latency().items()})
         except OSError:
             pass  # a full or read-only /dev/shm costs the cross-process view, nothing else
 

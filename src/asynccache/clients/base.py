@@ -38,12 +38,12 @@ import re
 import threading
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from .._fork import park_inherited
-from ..errors import ConfigError, StoreError, StoreTimeout
+from ..errors import ConfigError, StoreError, StoreTimeout, Unsupported
 
 __all__ = [
     "CREDENTIALS_ENV_PREFIX",
@@ -378,6 +378,33 @@ class BaseClient(ABC, Generic[StateT]):
     @abstractmethod
     async def ping(self) -> None:
         """Round trip to every server; raises StoreError when one does not answer."""
+
+    # -- administration: what the command line (ping, stats, flush, warm) calls --------
+    # Not on the data path. A provider may leave scan() as is: stats and flush then say
+    # the store cannot list keys; the other two have defaults that work everywhere.
+    async def server_info(self) -> dict[str, Any]:
+        """What is known about the store: ``max_value_size`` and, where the store can say,
+        ``nodes``: ``{node name: {"server": ..., "version": ..., "item_size": ...}}``.
+
+        This default does no I/O; network providers ask every node."""
+        return {"max_value_size": self.max_value_size}
+
+    async def scan(self, prefix: bytes, batch: int = 1000
+                   ) -> AsyncIterator[list[tuple[bytes, int | None]]]:
+        """Every key that starts with ``prefix``, in batches of about ``batch`` (store key,
+        size of its value in bytes or ``None`` when unknown); every node of a pool or
+        cluster. Keys are yielded as :meth:`delete_many` and :meth:`contains_many` take
+        them. Like Redis ``SCAN``, a key may be yielded twice if the store reorganises
+        itself meanwhile, and keys written meanwhile may or may not appear."""
+        raise Unsupported(f"{self.safe_url}: this store ({type(self).__name__}) cannot list "
+                          "its keys, so asynccache stats and flush cannot find a namespace's "
+                          "keys; delete them with the store's own tools")
+        yield []  # pragma: no cover - makes this an async generator, as overrides are
+
+    async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """For each key, whether the store holds it. This default reads the values;
+        providers override it with a check that does not transfer them."""
+        return [value is not None for value in await self.get_many(keys)]
 
     # -- what the core calls: per-node results, never raising for store trouble -------
     @property

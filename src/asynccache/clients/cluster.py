@@ -34,7 +34,7 @@ import asyncio
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +58,7 @@ from ..protocol.resp import (
 from .base import NOT_READ, BaseClient, Credential, ReadResult, WriteResult, chunked
 from .endpoint import RedisEndpoint, TlsSettings, connect_failure, ssl_error_in
 from .resp import Request, RespConnection
+from .resp_admin import node_info, pack_exists, scan_node
 
 __all__ = ["RedisClusterClient"]
 
@@ -327,6 +328,21 @@ class _Delete(_Call):
                       [command])
 
 
+class _Exists(_Call):
+    """``EXISTS`` per key: which keys the cluster holds."""
+
+    def __init__(self, client: RedisClusterClient, state: _ClusterState, n: int) -> None:
+        super().__init__(client, state, ())
+        self.found = [False] * n
+
+    def on_reply(self, node: str, command: _Command, reply: Any) -> None:
+        if is_error(reply):
+            self.fail(node, StoreError(f"redis cluster node {node} refused EXISTS: {reply}"),
+                      [command])
+            return
+        self.found[command.positions[0]] = reply == 1
+
+
 class RedisClusterClient(BaseClient[_ClusterState]):
     """Client for a Redis Cluster given one or more startup nodes."""
 
@@ -576,3 +592,36 @@ class RedisClusterClient(BaseClient[_ClusterState]):
         for error in call.failures.values():
             raise error
         return call.added
+
+    # -- administration -------------------------------------------------------------------
+    async def _primaries_now(self) -> tuple[_ClusterState, list[_Target]]:
+        state = await self._ready()
+        return state, [_Target(n.name, n.host, int(n.port))
+                       for n in state.topology.get_primaries()]
+
+    async def server_info(self) -> dict[str, Any]:
+        """Every primary's server, version, item size and memory, concurrently."""
+        state, primaries = await self._primaries_now()
+        infos = await asyncio.gather(*(node_info(self._connection(state, t), t.node)
+                                       for t in primaries))
+        return {"max_value_size": self.max_value_size,
+                "nodes": {t.node: info for t, info in zip(primaries, infos)}}
+
+    async def scan(self, prefix: bytes, batch: int = 1000
+                   ) -> AsyncIterator[list[tuple[bytes, int | None]]]:
+        """``SCAN MATCH`` on every primary in turn (each holds only its own slots)."""
+        state, primaries = await self._primaries_now()
+        for target in primaries:
+            conn = self._connection(state, target)
+            async for page in scan_node(conn, prefix, batch, f"cluster node {target.node}"):
+                yield page
+
+    async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """``EXISTS`` per key, pipelined per owning node, nodes concurrently."""
+        call = _Exists(self, await self._ready(), len(keys))
+        if keys:
+            await call.run([_Command(key_slot(key), [i], [pack_exists(key)])
+                            for i, key in enumerate(keys)])
+        for error in call.failures.values():
+            raise error
+        return call.found

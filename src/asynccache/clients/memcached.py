@@ -40,7 +40,7 @@ import hashlib
 import itertools
 import math
 import time
-from collections.abc import Awaitable, Collection, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -54,12 +54,16 @@ from ..protocol.memcache import (
     ReplyParser,
     Request,
     explain_rejection,
+    hashed_prefix,
+    meta_size,
     no_answer,
     not_understood,
     pack_add,
     pack_delete,
+    pack_exists,
     pack_get,
     pack_set,
+    pack_size,
     safe_memcached_key,
     unexpected_reply,
 )
@@ -74,6 +78,7 @@ from .base import (
 )
 from .blocking_memcached import BlockingMemcachedConnection
 from .endpoint import TlsSettings, close_transport, connect_failure
+from .memcached_admin import AdminTarget, metadump_keys, settings
 
 __all__ = ["MemcachedClient", "MemcachedConnection", "rendezvous_owner", "safe_memcached_key"]
 
@@ -430,6 +435,77 @@ class MemcachedClient(BaseClient[_MemcachedState]):
 
     async def ping(self) -> None:
         await _on_every_node([(node, [VERSION]) for node in self._state().nodes], "version")
+
+    # -- administration -------------------------------------------------------------------
+    def _admin(self, index: int) -> AdminTarget:
+        host, port = self.servers[index]
+        return AdminTarget(host, port, self.tls, self.timeout, self.connect_timeout)
+
+    async def server_info(self) -> dict[str, Any]:
+        """Per server: its ``version`` and ``item_size`` (``-I``, from ``stats settings``)."""
+        infos = await _concurrently([self._node_info(i) for i in range(len(self.servers))])
+        return {"max_value_size": self.max_value_size, "nodes": dict(zip(self._node_names, infos))}
+
+    async def _node_info(self, index: int) -> dict[str, Any]:
+        node = self._state().nodes[index]
+        (reply,) = await node.reads.execute([VERSION])
+        if isinstance(reply, ErrorReply):
+            raise StoreError(f"memcached {node.name} answered version with {reply}")
+        found = await settings(self._admin(index))
+        item_size = found.get("item_size_max", "")
+        return {"server": "memcached", "version": bytes(reply).partition(b" ")[2].decode(),
+                "item_size": int(item_size) if item_size.isdigit() else None}
+
+    async def scan(self, prefix: bytes, batch: int = 1000
+                   ) -> AsyncIterator[list[tuple[bytes, int | None]]]:
+        """Keys under ``prefix`` on every server (``lru_crawler metadump all``), with their
+        value sizes (``mg key s``, pipelined; a key gone meanwhile is left out).
+
+        Keys are yielded as the server holds them: a key memcached could not take
+        verbatim is in its digest form (see :func:`safe_memcached_key`), found through
+        its namespace prefix, and maps to itself when passed back to ``delete_many``."""
+        starts = (prefix, hashed_prefix(prefix))
+        for index in range(len(self.servers)):
+            found: list[bytes] = []
+            async for key in metadump_keys(self._admin(index)):
+                if key.startswith(starts):
+                    found.append(key)
+                    if len(found) >= batch:
+                        yield await self._sizes(index, found)
+                        found = []
+            if found:
+                yield await self._sizes(index, found)
+
+    async def _sizes(self, index: int, keys: list[bytes]) -> list[tuple[bytes, int | None]]:
+        node = self._state().nodes[index]
+        replies = await node.reads.execute([pack_size(key) for key in keys])
+        listed = []
+        for key, reply in zip(keys, replies):
+            if isinstance(reply, ErrorReply):
+                raise StoreError(f"memcached {node.name} answered mg with {reply}")
+            if not bytes(reply).startswith(b"EN"):
+                listed.append((key, meta_size(bytes(reply))))
+        return listed
+
+    async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """``mg key`` per key (no value transferred), servers concurrently."""
+        found = [False] * len(keys)
+        if not keys:
+            return found
+        nodes = self._state().nodes
+        groups = self._per_node(keys)
+        work = [(nodes[i], positions, [pack_exists(k) for k in safe])
+                for i, (positions, safe) in groups.items()]
+        outcomes = await _concurrently([_attempt(node.reads.execute(requests))
+                                        for node, _, requests in work])
+        for (node, positions, _), outcome in zip(work, outcomes):
+            if isinstance(outcome, StoreError):
+                raise outcome
+            for position, reply in zip(positions, outcome):
+                if isinstance(reply, ErrorReply):
+                    raise StoreError(f"memcached {node.name} answered mg with {reply}")
+                found[position] = not bytes(reply).startswith(b"EN")
+        return found
 
     async def add_many(self, entries: Mapping[bytes, bytes], ttl: float) -> list[bool]:
         """memcached ``add`` per key (whole seconds: a lease rounds up to 1 s)."""

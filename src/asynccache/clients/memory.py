@@ -7,7 +7,7 @@ process boundary, so it is not a substitute for a real store with DataLoader wor
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 from .base import BaseClient
 
@@ -83,3 +83,17 @@ class MemoryClient(BaseClient[None]):
             data[key] = (bytes(value), now + ttl)
             added.append(True)
         return added
+
+    async def scan(self, prefix: bytes, batch: int = 1000
+                   ) -> AsyncIterator[list[tuple[bytes, int | None]]]:
+        now = time.monotonic()
+        found = [(key, len(value)) for key, (value, expires) in list(self.data.items())
+                 if key.startswith(prefix) and (expires is None or expires > now)]
+        for start in range(0, len(found), max(1, batch)):
+            yield found[start:start + batch]
+
+    async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        now = time.monotonic()
+        data = self.data
+        return [(entry := data.get(key)) is not None and (entry[1] is None or entry[1] > now)
+                for key in keys]

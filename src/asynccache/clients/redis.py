@@ -16,7 +16,7 @@ settings (TLS included) on a blocking socket of the consumer thread's own.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ from .base import BaseClient, ConsumerReads, Credential, WriteResult, chunked
 from .blocking import BlockingRespConnection
 from .endpoint import RedisEndpoint, TlsSettings
 from .resp import RespConnection
+from .resp_admin import node_info, pack_exists, scan_node
 
 __all__ = ["RedisClient"]
 
@@ -177,3 +178,25 @@ class RedisClient(BaseClient[_RedisState]):
             if is_error(reply):
                 raise StoreError(f"redis {self.safe_url} refused SET NX: {reply}")
         return [reply is not None for reply in replies]
+
+    # -- administration -------------------------------------------------------------------
+    async def server_info(self) -> dict[str, Any]:
+        node = self.node_names[0]
+        info = await node_info(self._state().reads, node)
+        return {"max_value_size": self.max_value_size, "nodes": {node: info}}
+
+    async def scan(self, prefix: bytes, batch: int = 1000
+                   ) -> AsyncIterator[list[tuple[bytes, int | None]]]:
+        """``SCAN MATCH`` over this database, with ``STRLEN`` sizes (pipelined)."""
+        async for page in scan_node(self._state().reads, prefix, batch, self.safe_url):
+            yield page
+
+    async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """One pipelined ``EXISTS`` per key: no value crosses the network."""
+        if not keys:
+            return []
+        replies = await self._state().reads.execute([[pack_exists(k)] for k in keys])
+        for reply in replies:
+            if is_error(reply):
+                raise StoreError(f"redis {self.safe_url} answered EXISTS with {reply}")
+        return [reply == 1 for reply in replies]

@@ -41,11 +41,15 @@ __all__ = [
     "ReplyParser",
     "Request",
     "explain_rejection",
+    "hashed_prefix",
+    "meta_size",
     "no_answer",
     "not_understood",
     "pack_delete",
+    "pack_exists",
     "pack_get",
     "pack_set",
+    "pack_size",
     "safe_memcached_key",
     "unexpected_reply",
 ]
@@ -58,22 +62,57 @@ NOT_FOUND = b"NOT_FOUND"
 DELETED = b"DELETED"
 
 _SAFE_KEY = re.compile(rb"(?!ac#)[\x21-\x7e]{1,250}")
+#: A key already in its digest form (as listed back from a server): mapped to itself.
+_HASHED_KEY = re.compile(rb"ac#[0-9a-f]{40}")
+_MAX_KEY = 250
+_DIGEST_HEX = 40
 _STORAGE_WORDS = frozenset({STORED, b"NOT_STORED", b"EXISTS", NOT_FOUND})
 _DELETE_WORDS = frozenset({DELETED, NOT_FOUND})
+#: meta get replies: found (``HD``; ``OK`` before memcached 1.6.10), not found (``EN``)
+_META_WORDS = frozenset({b"HD", b"OK", b"EN"})
 _ERROR_WORDS = (b"SERVER_ERROR", b"CLIENT_ERROR", b"ERROR")
 
 
 def safe_memcached_key(key: bytes) -> bytes:
-    """``key`` itself when memcached accepts it, else a fixed-length digest of it.
+    """``key`` itself when memcached accepts it, else a fixed-length digest form of it.
 
-    memcached takes 1–250 bytes of printable ASCII without spaces; any other key (too
-    long, whitespace, control characters, non-ASCII) becomes ``b"ac#" +
-    blake2b(key).hexdigest()``. Keys that already start with ``ac#`` are hashed too, so
-    a key can never collide with another key's digest form.
+    memcached takes 1–250 bytes of printable ASCII without spaces. Any other key (too
+    long, whitespace, control characters, non-ASCII) becomes a digest that keeps the
+    key's namespace prefix, so ``asynccache stats`` / ``flush`` still find it by prefix:
+
+    * ``ac:<ns>:`` + ``#`` + ``blake2b(key).hexdigest()`` for a key of asynccache's
+      scheme (``ac:<ns>:...``) whose prefix is itself a short memcached key;
+    * ``ac%`` + ``blake2b(prefix)[:8 bytes]`` + ``:#`` + digest when that prefix is not
+      (a non-ASCII or very long namespace): see :func:`hashed_prefix`;
+    * ``ac#`` + digest for any other key.
+
+    No key asynccache writes has ``#`` right after its namespace prefix (encoded keys
+    start with a digit, ``-`` or a tag letter), so the first two forms never meet a key
+    stored verbatim. Keys that start with ``ac#`` are hashed too, except the exact
+    ``ac#`` + 40 hex digits form: a key listed back from the server maps to itself, which
+    is what lets :meth:`~asynccache.clients.memcached.MemcachedClient.scan` hand its keys
+    to ``delete_many``. (Only a key crafted to equal another key's digest could collide.)
     """
-    if _SAFE_KEY.fullmatch(key):
+    if _SAFE_KEY.fullmatch(key) or _HASHED_KEY.fullmatch(key):
         return key
-    return b"ac#" + hashlib.blake2b(key, digest_size=20).hexdigest().encode()
+    digest = hashlib.blake2b(key, digest_size=_DIGEST_HEX // 2).hexdigest().encode()
+    prefix = _namespace_prefix(key)
+    return (b"ac#" if prefix is None else hashed_prefix(prefix)) + digest
+
+
+def _namespace_prefix(key: bytes) -> bytes | None:
+    """``ac:<ns>:`` of a key of asynccache's scheme, else None."""
+    if not key.startswith(b"ac:"):
+        return None
+    end = key.find(b":", 3)
+    return None if end < 0 else key[:end + 1]
+
+
+def hashed_prefix(prefix: bytes) -> bytes:
+    """What the digest forms of the keys under ``prefix`` (``ac:<ns>:``) start with."""
+    if _SAFE_KEY.fullmatch(prefix) and len(prefix) + 1 + _DIGEST_HEX <= _MAX_KEY:
+        return prefix + b"#"
+    return b"ac%" + hashlib.blake2b(prefix, digest_size=8).hexdigest().encode() + b":#"
 
 
 class ProtocolViolation(ValueError):
@@ -137,6 +176,24 @@ def pack_add(key: bytes, value: bytes, exptime: int) -> Request:
 
 def pack_delete(key: bytes) -> Request:
     return Request((b"delete %s\r\n" % key,), accepts=_DELETE_WORDS)
+
+
+def pack_exists(key: bytes) -> Request:
+    """``mg key``: ``HD`` when the key is there, ``EN`` when not; no value is sent."""
+    return Request((b"mg %s\r\n" % key,), accepts=_META_WORDS)
+
+
+def pack_size(key: bytes) -> Request:
+    """``mg key s``: ``HD s<value size>`` when the key is there, ``EN`` when not."""
+    return Request((b"mg %s s\r\n" % key,), accepts=_META_WORDS)
+
+
+def meta_size(reply: bytes) -> int | None:
+    """The value size in an ``mg ... s`` reply; None for ``EN`` (the key is gone)."""
+    for flag in reply.split(b" ")[1:]:
+        if flag.startswith(b"s") and flag[1:].isdigit():
+            return int(flag[1:])
+    return None
 
 
 VERSION = Request((b"version\r\n",), accepts=frozenset({b"VERSION"}))

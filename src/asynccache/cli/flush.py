@@ -1,0 +1,123 @@
+"""``asynccache flush URL --namespace NS``: delete one namespace, and nothing else.
+
+Everything asynccache keeps for a namespace is under ``ac:NS:`` (values, the chunks of
+large values, leases: :mod:`asynccache.keys`), so the keys are listed with the client's
+``scan`` (every node of a pool, every primary of a cluster) and deleted in batches.
+Never ``FLUSHDB``/``flush_all``: other namespaces and other applications share the store.
+
+The prompt names the count and the prefix; ``--yes`` skips it. ``--json`` needs ``--yes``
+(or ``--dry-run``): a script cannot answer a prompt, and deleting without being asked
+must be said explicitly. With the prompt, the keys deleted are those counted for it;
+keys written after the listing are left (run it again, or stop the writers first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Any
+
+from ..clients.base import BaseClient
+from ..errors import StoreError
+from ..keys import namespace_prefix
+from ._common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    add_common_options,
+    client_for,
+    emit,
+    failed,
+    guarded,
+    namespace_arg,
+    store_url,
+    usage_error,
+)
+
+__all__ = ["add_arguments", "run"]
+
+#: keys per delete_many call
+DELETE_BATCH = 1000
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("Delete every key of one namespace (values, chunks, leases: all "
+                          "of ac:NS:*) from a store, after a confirmation prompt.")
+    parser.add_argument("url", metavar="URL", type=store_url, help="store URL")
+    parser.add_argument("--namespace", "-n", required=True, type=namespace_arg,
+                        help="the namespace to delete (its keys are ac:NS:*)")
+    parser.add_argument("--yes", "-y", action="store_true",
+                        help="do not ask for confirmation (required with --json)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="only count the keys that would be deleted")
+    add_common_options(parser)
+
+
+@guarded
+def run(args: argparse.Namespace) -> int:
+    if args.json and not (args.yes or args.dry_run):
+        return usage_error(args, "--json needs --yes (or --dry-run): a script cannot answer "
+                           "the confirmation prompt")
+    return asyncio.run(_flush(args))
+
+
+async def _flush(args: argparse.Namespace) -> int:
+    client = client_for(args)
+    prefix = namespace_prefix(args.namespace)
+    where = {"url": client.safe_url, "namespace": args.namespace, "prefix": prefix.decode()}
+    try:
+        if args.yes and not args.dry_run:
+            deleted = await _delete_as_listed(client, prefix)
+        else:
+            keys = await _list(client, prefix)
+            if args.dry_run:
+                emit(args, {**where, "keys": len(keys), "deleted": 0},
+                     f"{len(keys):,} keys under {prefix.decode()} on {client.safe_url} "
+                     "(dry run: nothing deleted)")
+                return EXIT_OK
+            if keys and not _confirm(len(keys), prefix, client.safe_url):
+                print("nothing deleted", file=sys.stderr)
+                return EXIT_FAILED
+            deleted = await _delete(client, keys)
+    except StoreError as exc:
+        return failed(args, f"flush of {prefix.decode()} on {client.safe_url} failed: {exc}",
+                      **where)
+    finally:
+        await client.close()
+    emit(args, {**where, "deleted": deleted},
+         f"deleted {deleted:,} keys under {prefix.decode()} on {client.safe_url}")
+    return EXIT_OK
+
+
+async def _list(client: BaseClient[Any], prefix: bytes) -> list[bytes]:
+    found: dict[bytes, None] = {}  # a key listed twice (SCAN during a rehash) counts once
+    async for page in client.scan(prefix):
+        found.update(dict.fromkeys(key for key, _size in page))
+    return list(found)
+
+
+async def _delete(client: BaseClient[Any], keys: list[bytes]) -> int:
+    for start in range(0, len(keys), DELETE_BATCH):
+        await client.delete_many(keys[start:start + DELETE_BATCH])
+    return len(keys)
+
+
+async def _delete_as_listed(client: BaseClient[Any], prefix: bytes) -> int:
+    """Delete page by page while listing: keys written meanwhile are caught too. (The
+    set only keeps the count exact when SCAN lists a key twice.)"""
+    deleted: set[bytes] = set()
+    async for page in client.scan(prefix, batch=DELETE_BATCH):
+        keys = [key for key, _size in page if key not in deleted]
+        if keys:
+            await client.delete_many(keys)
+            deleted.update(keys)
+    return len(deleted)
+
+
+def _confirm(count: int, prefix: bytes, url: str) -> bool:
+    """Ask on stderr (stdout stays the result's); anything but y/yes, or no terminal
+    input at all, is no."""
+    sys.stderr.write(f"delete {count:,} keys under {prefix.decode()} on {url}? [y/N] ")
+    sys.stderr.flush()
+    answer = sys.stdin.readline()
+    return answer.strip().lower() in ("y", "yes")

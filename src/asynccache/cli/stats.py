@@ -1,0 +1,145 @@
+"""``asynccache stats URL --namespace NS``: what a namespace holds, and how well it serves.
+
+Two sources, because they answer different questions:
+
+* the **store**: every key under ``ac:NS:`` (``SCAN`` on every node or primary, memcached's
+  ``lru_crawler metadump``), counted as values, chunks and leases, with the bytes of
+  their values;
+* the **processes on this machine** that use the namespace (pipes and nodes, their
+  DataLoader workers included): the counters they publish to their stats boards
+  (:mod:`asynccache.board`), summed. That is the hit rate of the running jobs here; jobs
+  on other machines report on theirs. None running: ``"processes": 0``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+from ..board import StatsBoard
+from ..board import _alive as alive
+from ..errors import StoreError
+from ..keys import namespace_prefix
+from ._common import (
+    EXIT_OK,
+    add_common_options,
+    client_for,
+    emit,
+    failed,
+    guarded,
+    human_bytes,
+    namespace_arg,
+    store_url,
+)
+
+__all__ = ["add_arguments", "key_kind", "local_counters", "run"]
+
+#: Counters summed from the boards and shown in the output (all are in "counters").
+SHOWN = ("hits", "misses", "errors")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("Number of keys and bytes under a namespace in the store, and the "
+                          "hit rate (hits, misses, errors) that the processes on this "
+                          "machine using that namespace report.")
+    parser.add_argument("url", metavar="URL", type=store_url, help="store URL")
+    parser.add_argument("--namespace", "-n", required=True, type=namespace_arg,
+                        help="the namespace of the pipe or node (its keys are ac:NS:*)")
+    add_common_options(parser)
+
+
+@guarded
+def run(args: argparse.Namespace) -> int:
+    return asyncio.run(_stats(args))
+
+
+def key_kind(prefix: bytes, key: bytes) -> str:
+    """``value``, ``chunk`` or ``lease`` by the tag after the prefix (see
+    :mod:`asynccache.keys`); ``hashed`` for a key the store holds in digest form
+    (memcached, a key it could not take verbatim), whose kind cannot be told."""
+    if not key.startswith(prefix):
+        return "hashed"
+    rest = key[len(prefix):]
+    if rest.startswith(b"c:"):
+        return "chunk"
+    if rest.startswith(b"l:"):
+        return "lease"
+    return "hashed" if rest.startswith(b"#") else "value"
+
+
+async def _count(args: argparse.Namespace, prefix: bytes) -> dict[str, Any]:
+    client = client_for(args)
+    kinds = dict.fromkeys(("value", "chunk", "lease", "hashed"), 0)
+    seen: set[bytes] = set()  # SCAN may list a key twice while the server rehashes
+    total_bytes = unknown = 0
+    try:
+        async for page in client.scan(prefix):
+            for key, size in page:
+                if key in seen:
+                    continue
+                seen.add(key)
+                kinds[key_kind(prefix, key)] += 1
+                if size is None:
+                    unknown += 1
+                else:
+                    total_bytes += size
+    finally:
+        await client.close()
+    return {"url": client.safe_url, "keys": len(seen), "bytes": total_bytes,
+            "values": kinds["value"], "chunks": kinds["chunk"], "leases": kinds["lease"],
+            "hashed": kinds["hashed"], "unknown_sizes": unknown}
+
+
+def local_counters(namespace: str) -> dict[str, Any]:
+    """The counters of every live process on this machine that reports for ``namespace``:
+    ``processes`` (running ones), ``boards`` (pipes or nodes) and their summed counters
+    (the final numbers of workers that already exited included)."""
+    total: dict[str, int] = {}
+    live: set[int] = set()
+    boards = StatsBoard.labelled(namespace)
+    for board in boards:
+        for pid, counters in board.collect().items():
+            if alive(pid):
+                live.add(pid)
+            for name, value in counters.items():
+                total[name] = total.get(name, 0) + value
+    hits, misses = total.get("hits", 0), total.get("misses", 0)
+    return {
+        "processes": len(live),
+        "boards": len(boards),
+        **{name: total.get(name, 0) for name in SHOWN},
+        "hit_rate": hits / (hits + misses) if hits + misses else None,
+        "counters": total,
+    }
+
+
+async def _stats(args: argparse.Namespace) -> int:
+    prefix = namespace_prefix(args.namespace)
+    try:
+        store = await _count(args, prefix)
+    except StoreError as exc:
+        return failed(args, f"cannot list {prefix.decode()} on {client_for(args).safe_url}: "
+                      f"{exc}", namespace=args.namespace)
+    document = {**store, "namespace": args.namespace, "prefix": prefix.decode(),
+                **local_counters(args.namespace)}
+    emit(args, document, _text(document))
+    return EXIT_OK
+
+
+def _text(doc: dict[str, Any]) -> str:
+    parts = [f"{doc['values']:,} values", f"{doc['chunks']:,} chunks",
+             f"{doc['leases']:,} leases"]
+    if doc["hashed"]:
+        parts.append(f"{doc['hashed']:,} in memcached's digest form")
+    lines = [f"{doc['prefix']} on {doc['url']}: {doc['keys']:,} keys, "
+             f"{human_bytes(doc['bytes'])} ({', '.join(parts)})"]
+    if not doc["processes"] and not doc["boards"]:
+        lines.append(f"no process on this machine reports stats for namespace "
+                     f"{doc['namespace']!r} (processes: 0)")
+    else:
+        rate = "-" if doc["hit_rate"] is None else f"{doc['hit_rate']:.1%}"
+        lines.append(f"hit rate {rate} (hits {doc['hits']:,}, misses {doc['misses']:,}, "
+                     f"errors {doc['errors']:,}) from {doc['processes']} running "
+                     f"process{'es' if doc['processes'] != 1 else ''} on this machine")
+    return "\n".join(lines)

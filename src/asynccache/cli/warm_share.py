@@ -1,0 +1,178 @@
+"""One ``asynccache warm`` worker: fill the store with its share of a dataset's items.
+
+Exactly what ``AsyncKVCacheMapDataPipe(dataset, client, namespace=NS, codec=...)`` would
+write on a miss: the same store keys (:meth:`AsyncKVCache.key`, i.e. ``key_for``: the
+index for a sequence, the mapping's keys for a keyed source), the same codec and
+encoding (chunks for values over the store's item size), the same TTL. A pipe reading
+afterwards finds hits and computes nothing.
+
+Per batch: one existence check (``contains_many``: keys already there are skipped without
+computing them, which is what makes a second run resume), then the missing items are
+computed and written. The write of a batch is in flight while the next batch is
+computed: the worker is busy with the CPU, the store with the bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..codec import Codec
+from ..connect import connect
+from ..core import AsyncKVCache
+from ..errors import ConfigError, EncodeError, StoreError
+
+__all__ = ["WarmJob", "indices_of", "load_dataset", "run_share"]
+
+#: computed, skipped, failed: a worker's slots in the shared progress array
+COMPUTED, SKIPPED, FAILED = 0, 1, 2
+SLOTS = 3
+#: item failures a worker prints before it only counts them
+MAX_REPORTED = 3
+
+
+@dataclass(frozen=True)
+class WarmJob:
+    """Everything a worker needs, picklable (spawn/forkserver workers get it by pickle)."""
+
+    url: str
+    dataset: str
+    namespace: str
+    ttl: float | None
+    secret_env: str | None
+    workers: int
+    batch: int
+    timeout: float | None
+
+
+def load_dataset(spec: str) -> Any:
+    """The dataset named by ``module:attr`` (``attr`` may be dotted). ``attr`` is either a
+    map-style dataset, or a callable (a function, a class) that returns one when called
+    with no arguments. Raises ConfigError saying what is wrong."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"--dataset {spec!r} is not module:attr (e.g. mypkg.data:train_set)")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # like `python -m`: modules in the current directory
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"--dataset {spec}: cannot import {module_name!r}: {exc}") from exc
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ConfigError(f"--dataset {spec}: {module_name} has no attribute "
+                              f"{attr!r}") from None
+    if isinstance(obj, type) or (callable(obj) and not _map_style(obj)):
+        obj = obj()
+    if not _map_style(obj):
+        raise ConfigError(f"--dataset {spec} is a {type(obj).__name__}, not a map-style dataset "
+                          "(it needs __getitem__ and __len__), nor a callable returning one")
+    return obj
+
+
+def _map_style(obj: Any) -> bool:
+    return hasattr(obj, "__getitem__") and hasattr(obj, "__len__")
+
+
+def indices_of(dataset: Any) -> Sequence[Any]:
+    """What a pipe over ``dataset`` is indexed by: a mapping's keys, else 0..len-1."""
+    from ..datapipe import _mapping_behind
+
+    mapping = _mapping_behind(dataset)
+    return list(mapping.keys()) if mapping is not None else range(len(dataset))
+
+
+def run_share(job: WarmJob, worker: int, progress: Any) -> None:
+    """Process entry point: the items ``worker::workers`` of the dataset. Exits with 1
+    when the store failed (the rest of the share is then counted as failed)."""
+    try:
+        dataset = load_dataset(job.dataset)
+        share = indices_of(dataset)[worker::job.workers]
+        ok = asyncio.run(_Share(job, dataset, progress, worker * SLOTS).fill(share))
+    except KeyboardInterrupt:
+        sys.exit(130)
+    sys.exit(0 if ok else 1)
+
+
+class _Share:
+    def __init__(self, job: WarmJob, dataset: Any, progress: Any, slot: int) -> None:
+        options = {} if job.timeout is None else {"timeout": job.timeout,
+                                                  "connect_timeout": job.timeout}
+        self.client = connect(job.url, **options)
+        codec = Codec.from_env(job.secret_env) if job.secret_env else None
+        self.cache = AsyncKVCache(self.client, job.namespace, job.ttl, codec, on_error="raise")
+        self.dataset = dataset
+        self.batch = job.batch
+        self.progress = progress
+        self.slot = slot
+        self.reported = 0
+
+    def count(self, which: int, n: int) -> None:
+        if n:
+            self.progress[self.slot + which] += n  # only this worker writes its slots
+
+    def complain(self, message: str) -> None:
+        self.reported += 1
+        if self.reported <= MAX_REPORTED:
+            print(f"asynccache warm: {message}", file=sys.stderr, flush=True)
+
+    async def fill(self, share: Sequence[Any]) -> bool:
+        writing: asyncio.Task[None] | None = None
+        try:
+            for start in range(0, len(share), self.batch):
+                indices = share[start:start + self.batch]
+                keys = [self.cache.key(index) for index in indices]
+                present = await self.client.contains_many(keys)
+                todo = [(i, k) for i, k, there in zip(indices, keys, present) if not there]
+                self.count(SKIPPED, len(keys) - len(todo))
+                entries, items = self.compute(todo)
+                if writing is not None:
+                    await writing
+                writing = asyncio.ensure_future(self.write(entries, items))
+            if writing is not None:
+                await writing
+        except StoreError as exc:
+            if writing is not None:  # its outcome no longer matters, only its counts
+                await asyncio.gather(writing, return_exceptions=True)
+            self.complain(f"the store failed, this worker stops: {exc}")
+            accounted = sum(self.progress[self.slot:self.slot + SLOTS])
+            self.count(FAILED, len(share) - accounted)  # the rest, computed or not
+            return False
+        finally:
+            await self.client.close()
+        return True
+
+    def compute(self, todo: list[tuple[Any, bytes]]) -> tuple[dict[bytes, bytes], int]:
+        """Encoded entries for the missing items; an item that raises is counted failed."""
+        entries: dict[bytes, bytes] = {}
+        items = 0
+        for index, key in todo:
+            try:
+                entries.update(self.cache.encode_entries({key: self.dataset[index]}))
+            except EncodeError as exc:
+                self.count(FAILED, 1)
+                self.complain(f"item {index!r} cannot be stored: {exc}")
+                continue
+            except Exception as exc:  # the user's __getitem__: report it, go on
+                self.count(FAILED, 1)
+                self.complain(f"item {index!r} failed: {type(exc).__name__}: {exc}")
+                continue
+            items += 1
+        return entries, items
+
+    async def write(self, entries: dict[bytes, bytes], items: int) -> None:
+        if not entries:
+            return
+        try:
+            await self.cache.write_entries(entries)
+        except StoreError:
+            self.count(FAILED, items)
+            raise
+        self.count(COMPUTED, items)
