@@ -600,6 +600,13 @@ def test_a_full_store_costs_misses_not_errors_of_the_training(backend: str, poli
     if policy == "noeviction":
         assert stats["rejected"] > 0 and stats["writes_dropped"] > 0  # refused, counted
         assert stats["timeouts"] == stats["unavailable"] == 0
+    elif backend.startswith("memcached"):
+        # evictions are just misses; memcached may still refuse a rare store ("out of
+        # memory storing object") when the value's slab class has no page to evict from
+        # (its pages went to other classes): that is a counted rejection, never a
+        # timeout or an unreachable server
+        assert stats["errors"] == stats["rejected"] <= 3, stats
+        assert stats["timeouts"] == stats["unavailable"] == 0
     else:
         assert stats["errors"] == 0  # evictions are just misses
 
