@@ -227,10 +227,11 @@ class AsyncKVCache:
         return result.values, error
 
     def decode_blobs(self, store_keys: Sequence[bytes], blobs: Sequence[Any]
-                     ) -> tuple[list[Any], dict[int, ChunkManifest]]:
+                     ) -> tuple[list[Any], dict[int, ChunkManifest], int]:
         """Decode one multi-get reply: a value per key (``MISSING`` for absent or unusable
-        bytes, ``NOT_READ`` passed through, :class:`Failed` in raise mode) and the chunk
-        manifests still to resolve. No I/O: any thread may call it."""
+        bytes, ``NOT_READ`` passed through, :class:`Failed` in raise mode), the chunk
+        manifests still to resolve, and the bytes the reply carried (what read-ahead
+        sizes its requests by). No I/O: any thread may call it."""
         out: list[Any] = [MISSING] * len(blobs)
         manifests: dict[int, ChunkManifest] = {}
         decode = self.codec.decode
@@ -255,7 +256,7 @@ class AsyncKVCache:
                 if l1 is not None:
                     l1.put(store_keys[i], bytes(blob))
         self.counters.shard()["bytes_read"] += nbytes
-        return out, manifests
+        return out, manifests, nbytes
 
     def from_l1(self, store_keys: Sequence[bytes]) -> tuple[list[Any], list[int]]:
         """Values the L1 tier holds (decoded afresh, ``NOT_READ`` where it has none) and
@@ -309,27 +310,32 @@ class AsyncKVCache:
             if self.l1 is not None:
                 self.l1.put(store_keys[i], joined)
 
-    async def read_values(self, store_keys: Sequence[bytes]
+    async def read_values(self, store_keys: Sequence[bytes],
+                          sizes: list[int] | None = None
                           ) -> tuple[list[Any], StoreError | None]:
         """Decoded values (with the markers of the module docstring) and the first store
         failure. The whole read path of the loop thread; never raises for the store.
-        Keys the L1 tier holds are not asked for."""
+        Keys the L1 tier holds are not asked for. ``sizes`` gets the bytes the store's
+        reply carried appended (read-ahead sizes its requests by them)."""
         if self.l1 is not None:
             values, missing = self.from_l1(store_keys)
             if not missing:
                 return values, None
             if len(missing) < len(store_keys):
                 asked = [store_keys[i] for i in missing]
-                found, error = await self.read_values_from_store(asked)
+                found, error = await self.read_values_from_store(asked, sizes)
                 for i, value in zip(missing, found):
                     values[i] = value
                 return values, error
-        return await self.read_values_from_store(store_keys)
+        return await self.read_values_from_store(store_keys, sizes)
 
-    async def read_values_from_store(self, store_keys: Sequence[bytes]
+    async def read_values_from_store(self, store_keys: Sequence[bytes],
+                                     sizes: list[int] | None = None
                                      ) -> tuple[list[Any], StoreError | None]:
         blobs, error = await self.read_blobs(store_keys)
-        values, manifests = self.decode_blobs(store_keys, blobs)
+        values, manifests, nbytes = self.decode_blobs(store_keys, blobs)
+        if sizes is not None:
+            sizes.append(nbytes)
         if manifests:
             await self.resolve_chunks(store_keys, manifests, values)
         return values, error

@@ -49,7 +49,7 @@ from .core import MISSING, AsyncKVCache, OnError
 from .errors import ConfigError, KeyTooLong
 from .histogram import merge
 from .keys import encode_key
-from .prefetch import Prefetcher
+from .prefetch import DEFAULT_PREFETCH_BYTES, Prefetcher
 from .runtime import CacheRuntime, Reports
 
 try:  # torch is optional: without it the class is a plain map-style wrapper
@@ -196,7 +196,8 @@ class _Runtime(CacheRuntime):
         pipe = self.pipe
         source = self.new_source()
         length = None if pipe._mapping is not None else self.length
-        p = Prefetcher(source, pipe.key_for, length, pipe.prefetch, self.cache.policy.strict)
+        p = Prefetcher(source, pipe.key_for, length, pipe.prefetch, self.cache.policy.strict,
+                       pipe.prefetch_bytes)
         p.follow_order = pipe._follow_order
         p.stale_order = True  # its first read follows the pipe's order
         self.local.prefetcher = p
@@ -249,7 +250,9 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
     Works on any ``source`` with ``__getitem__`` and ``__len__``. ``order`` is the
     indices that will be read next: a list, tuple, numpy array, tensor, sampler, or an
     iterator (which is consumed once, here, and reused every epoch); it is re-iterated
-    when used up. ``prefetch=0`` disables read-ahead. ``lease`` (seconds): each miss
+    when used up. ``prefetch=0`` disables read-ahead; ``prefetch_bytes`` bounds it in
+    bytes too (per reading thread, learned from the sizes of the values read: 64 small
+    items, or 8 values of 4 MiB with the default 32 MiB). ``lease`` (seconds): each miss
     is computed by one process while the others wait for its value (see
     :class:`~asynccache.core.AsyncKVCache`). ``l1_bytes``: an in-process LRU of that many
     bytes of encoded values in front of the store, for items reused within a process
@@ -269,6 +272,7 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         *,
         lease: float | None = None,
         l1_bytes: int | None = None,
+        prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
     ) -> None:
         if not hasattr(source, "__getitem__") or not hasattr(source, "__len__"):
             raise ConfigError(
@@ -277,9 +281,13 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
             )
         if type(prefetch) is not int or prefetch < 0:
             raise ConfigError(f"prefetch must be an int >= 0, got {prefetch!r}")
+        if type(prefetch_bytes) is not int or prefetch_bytes <= 0:
+            raise ConfigError(f"prefetch_bytes must be an int > 0 (bytes of read-ahead per "
+                              f"reading thread), got {prefetch_bytes!r}")
         self.source = source
         self.client = client
         self.prefetch = prefetch
+        self.prefetch_bytes = prefetch_bytes
         self.namespace = namespace if namespace is not None else derive_namespace(source)
         self.ttl = ttl
         self.codec = codec

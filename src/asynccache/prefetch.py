@@ -42,7 +42,7 @@ from .core import MISSING, Failed
 from .errors import CacheError, StoreTimeout
 from .sources import ReadSource, Ticket
 
-__all__ = ["Prefetcher", "batch_size_for"]
+__all__ = ["DEFAULT_PREFETCH_BYTES", "Prefetcher", "batch_size_for", "sized_window"]
 
 
 class _Nothing:
@@ -62,11 +62,39 @@ MIN_BATCH = 16
 MAX_BATCH = 256
 
 
+#: Read-ahead is bounded in bytes as well as in items, by the sizes the replies showed:
+#: ``prefetch=64`` of 4 MiB values would otherwise be two 128 MiB requests, whose first
+#: value is usable only once the whole reply is in, and 256 MiB in flight per consumer.
+#: The window (in flight + ready) holds about ``prefetch_bytes``; one request carries
+#: about ``prefetch_bytes / REQUESTS_PER_WINDOW`` (at least one value: a single 50 MiB
+#: value is still read, alone).
+DEFAULT_PREFETCH_BYTES = 32 << 20
+REQUESTS_PER_WINDOW = 8
+#: Until a reply has shown how large values are, the window starts this small (a few
+#: extra round trips once per consumer thread, instead of 2 × 32 values of unknown size).
+FIRST_WINDOW = 16
+#: weight of the newest reply in the bytes-per-item estimate
+_ALPHA = 0.25
+
+
 def batch_size_for(window: int) -> int:
     """Keys per read-ahead request for a window: two requests in flight when possible."""
     if window <= 0:
         return 0
     return max(min(window, MIN_BATCH), min(MAX_BATCH, window // 2))
+
+
+def sized_window(prefetch: int, prefetch_bytes: int, item_bytes: float) -> tuple[int, int]:
+    """(window, batch) in items for ``prefetch`` items of ``item_bytes`` on average,
+    bounded by ``prefetch_bytes``; ``item_bytes <= 0``: nothing known, items only."""
+    window = prefetch
+    if item_bytes > 0 and prefetch > 0:
+        window = max(1, min(prefetch, int(prefetch_bytes // item_bytes)))
+    batch = batch_size_for(window)
+    if item_bytes > 0 and batch > 0:
+        per_request = max(1, prefetch_bytes // REQUESTS_PER_WINDOW)
+        batch = max(1, min(batch, int(per_request // item_bytes)))
+    return window, batch
 
 
 def _drain(iterator: Any) -> None:
@@ -81,11 +109,17 @@ class Prefetcher:
     """
 
     def __init__(self, source: ReadSource, key_of: Callable[[Any], bytes],
-                 length: int | None, prefetch: int, strict: bool) -> None:
+                 length: int | None, prefetch: int, strict: bool,
+                 prefetch_bytes: int = DEFAULT_PREFETCH_BYTES) -> None:
         self.source = source
         self.key_of = key_of
         self.length = length
-        self.window = max(0, prefetch)
+        self.prefetch = max(0, prefetch)
+        self.prefetch_bytes = prefetch_bytes
+        #: bytes per item the replies carried (moving average; misses count as 0 bytes,
+        #: so it is what an item costs in flight for the current mix); 0: not known yet
+        self.item_bytes = 0.0
+        self.window = min(self.prefetch, FIRST_WINDOW)
         self.batch = batch_size_for(self.window)
         self.strict = strict
         self.ready: dict[Any, Any] = {}
@@ -209,6 +243,8 @@ class Prefetcher:
         """Move completed read-ahead into the ready buffer; drop what was not read."""
         generation, ready, inflight = self.generation, self.ready, self.inflight
         for ticket in tickets:
+            if ticket.nbytes or self.window < self.prefetch:
+                self._learn(ticket)
             if ticket.direct or ticket.abandoned or ticket.generation != generation:
                 continue
             _drain(map(inflight.pop, ticket.indices, itertools.repeat(None)))
@@ -217,6 +253,20 @@ class Prefetcher:
                              if v is not NOT_READ)
             else:
                 ready.update(zip(ticket.indices, ticket.values))
+
+    def _learn(self, ticket: Ticket) -> None:
+        """Size the window by the bytes ``ticket`` carried. A reply without bytes (all
+        misses, a cold epoch) teaches nothing about sizes: it only ends the small first
+        window when no size is known yet."""
+        items = len(ticket.indices)
+        if not items or ticket.abandoned:
+            return
+        if ticket.nbytes:
+            per_item = ticket.nbytes / items
+            known = self.item_bytes
+            self.item_bytes = per_item if known <= 0 else known + _ALPHA * (per_item - known)
+        self.window, self.batch = sized_window(self.prefetch, self.prefetch_bytes,
+                                               self.item_bytes)
 
     def _abandon(self, ticket: Ticket) -> None:
         """The ticket missed its deadline: forget it (a late result is ignored)."""
@@ -367,7 +417,9 @@ class Prefetcher:
         """Forget ready values the consumer skipped, so the buffer stays bounded."""
         if len(self.ready) <= 2 * self.window + self.batch:
             return
-        upcoming = set(self.plan[self.pos : self.pos + self.window])
+        # what was requested ahead on the plan is not stale, even beyond a window that
+        # has shrunk since (the values' sizes became known): only what was skipped is
+        upcoming = set(self.plan[self.pos : max(self.requested, self.pos + self.window)])
         for index in [i for i in self.ready if i not in upcoming]:
             if self.ready.pop(index, _NOTHING) is not _NOTHING:
                 self.wasted += 1

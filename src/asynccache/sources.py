@@ -48,7 +48,7 @@ class Ticket:
     """One read of a batch of keys, from submission to its values."""
 
     __slots__ = ("abandoned", "deadline", "direct", "done", "error", "generation", "indices",
-                 "keys", "parent", "partial", "remaining", "values")
+                 "keys", "nbytes", "parent", "partial", "remaining", "values")
 
     def __init__(self, indices: list[Any], keys: list[bytes], *, direct: bool = False,
                  generation: int = 0) -> None:
@@ -63,6 +63,7 @@ class Ticket:
         self.abandoned = False        # the consumer stopped waiting: ignore its result
         self.deadline = 0.0
         self.remaining = 0            # parts still on the wire (SocketSource)
+        self.nbytes = 0               # bytes the store's replies carried (set when done)
         #: (the ticket this one reads the rest of, positions there): L1Source
         self.parent: tuple[Ticket, list[int]] | None = None
 
@@ -193,7 +194,7 @@ class SocketSource(ReadSource):
 
     def _finish(self, ticket: Ticket) -> None:
         cache = self.cache
-        values, manifests = cache.decode_blobs(ticket.keys, ticket.values)
+        values, manifests, ticket.nbytes = cache.decode_blobs(ticket.keys, ticket.values)
         if manifests:  # chunked values: their chunks come through the core's loop
             try:
                 self.loop.call(cache.resolve_chunks(ticket.keys, manifests, values),
@@ -236,7 +237,9 @@ class LoopSource(ReadSource):
     async def _read(self, ticket: Ticket) -> None:  # loop thread
         values: list[Any] | None = None
         try:
-            values, ticket.error = await self.cache.read_values(ticket.keys)
+            sizes: list[int] = []
+            values, ticket.error = await self.cache.read_values(ticket.keys, sizes)
+            ticket.nbytes = sum(sizes)
         except CacheError as exc:  # e.g. a key the policy refused; never lose the ticket
             ticket.error = exc
         except Exception as exc:  # an asynccache bug must not hang the consumer
@@ -327,6 +330,7 @@ class L1Source(ReadSource):
             parent.values[position] = value
         parent.error = ticket.error
         parent.partial = ticket.partial
+        parent.nbytes = ticket.nbytes  # what crossed the wire (L1 hits did not)
         parent.done = True
         return parent
 

@@ -15,7 +15,7 @@ import pytest
 import asynccache as ac
 from asynccache.clients.base import NOT_READ
 from asynccache.core import MISSING, Failed
-from asynccache.prefetch import Prefetcher, batch_size_for
+from asynccache.prefetch import FIRST_WINDOW, Prefetcher, batch_size_for, sized_window
 from asynccache.sources import ReadSource, Ticket
 
 
@@ -32,8 +32,10 @@ class ScriptedSource(ReadSource):
     ``down``: indices whose node fails (``NOT_READ``, ``error`` set).
     """
 
-    def __init__(self, store: dict[Any, Any], *, auto: bool = False) -> None:
+    def __init__(self, store: dict[Any, Any], *, auto: bool = False,
+                 value_bytes: int = 0) -> None:
         self.store = store
+        self.value_bytes = value_bytes  # what each value found "carried" on the wire
         self.auto = auto
         self.hang = False
         self.down: set[Any] = set()
@@ -60,6 +62,8 @@ class ScriptedSource(ReadSource):
             else:
                 values.append(self.store.get(index, MISSING))
         ticket.values = values
+        ticket.nbytes = self.value_bytes * sum(v is not MISSING and v is not NOT_READ
+                                               for v in values)
         ticket.done = True
         self.completed.append(ticket)
 
@@ -84,9 +88,10 @@ class ScriptedSource(ReadSource):
 
 
 def make(store: dict[Any, Any], prefetch: int = 8, *, length: int | None = 100,
-         strict: bool = False, auto: bool = False) -> tuple[Prefetcher, ScriptedSource]:
-    source = ScriptedSource(store, auto=auto)
-    return Prefetcher(source, key_of, length, prefetch, strict), source
+         strict: bool = False, auto: bool = False, value_bytes: int = 0,
+         prefetch_bytes: int = 32 << 20) -> tuple[Prefetcher, ScriptedSource]:
+    source = ScriptedSource(store, auto=auto, value_bytes=value_bytes)
+    return Prefetcher(source, key_of, length, prefetch, strict, prefetch_bytes), source
 
 
 def full_store(n: int = 100) -> dict[int, str]:
@@ -101,7 +106,8 @@ def test_batch_size_keeps_two_requests_in_flight() -> None:
 def test_planned_reads_are_prefetch_hits_in_batches() -> None:
     p, source = make(full_store(), prefetch=32)
     p.set_plan(list(range(100)))
-    assert source.requested == list(range(32))  # the window, two batches of 16
+    # sizes unknown: a first window of FIRST_WINDOW; a reply grows it to the full 32
+    assert source.requested == list(range(FIRST_WINDOW))
     source.complete_all()
     got = []
     for i in range(100):
@@ -312,3 +318,68 @@ def test_values_equal_the_store_under_random_faults() -> None:
             if rng.random() < 0.5:
                 source.complete_all()
     assert p.counts["hits"] + p.counts["misses"] == 600
+
+
+# -- read-ahead bounded in bytes ---------------------------------------------------------
+MIB = 1 << 20
+
+
+def test_sized_window_bounds_items_by_bytes() -> None:
+    assert sized_window(64, 32 * MIB, 0) == (64, 32)          # sizes unknown: items only
+    assert sized_window(64, 32 * MIB, 100) == (64, 32)        # small values: unchanged
+    assert sized_window(64, 32 * MIB, 256 * 1024) == (64, 16)  # 4 MiB requests
+    assert sized_window(64, 32 * MIB, MIB) == (32, 4)
+    assert sized_window(64, 32 * MIB, 4 * MIB) == (8, 1)
+    assert sized_window(64, 32 * MIB, 50 * MIB) == (1, 1)     # one huge value: still read
+    assert sized_window(0, 32 * MIB, MIB) == (0, 0)           # prefetch=0 stays off
+
+
+def _scan(p: Prefetcher, source: ScriptedSource, n: int) -> tuple[list[Any], int]:
+    """Read 0..n-1 in order, completing one request at a time; the most items ever
+    requested ahead (in flight + ready)."""
+    got, most = [], 0
+    for i in range(n):
+        if source.in_flight:
+            source.complete()
+        got.append(p.take(i))
+        most = max(most, len(p.inflight) + len(p.ready))
+    return got, most
+
+
+@pytest.mark.parametrize(("value_bytes", "window", "batch"),
+                         [(100, 64, 32), (MIB, 32, 4), (4 * MIB, 8, 1), (50 * MIB, 1, 1)])
+def test_large_values_shrink_requests_and_window(value_bytes: int, window: int,
+                                                 batch: int) -> None:
+    p, source = make(full_store(200), prefetch=64, length=200, value_bytes=value_bytes)
+    p.set_plan(list(range(200)))
+    assert len(source.submitted) == 1 and len(source.submitted[0].indices) <= FIRST_WINDOW
+    got, most = _scan(p, source, 200)
+    assert got == [f"v{i}" for i in range(200)]
+    assert (p.window, p.batch) == (window, batch)
+    assert most <= max(window, FIRST_WINDOW) + batch  # in flight + ready stays bounded
+    later = source.submitted[2:]  # after the first replies told the size
+    assert later and max(len(t.indices) for t in later) <= batch
+    assert p.counts["direct_reads"] == 0  # read ahead all along, just in smaller requests
+
+
+def test_replies_without_bytes_end_the_small_first_window_but_teach_no_size() -> None:
+    p, source = make({}, prefetch=64, length=200)  # a cold epoch: every read a miss
+    p.set_plan(list(range(200)))
+    source.complete_all()
+    p.take(0)
+    assert (p.window, p.batch) == (64, 32) and p.item_bytes == 0
+    # a warm epoch after it: the first reply with bytes sizes the window at once
+    source.store.update(full_store(200))
+    source.value_bytes = 4 * MIB
+    source.complete_all()
+    for i in range(1, 100):
+        p.take(i)
+        source.complete_all()
+    assert (p.window, p.batch) == (8, 1) and p.item_bytes == pytest.approx(4 * MIB, rel=0.3)
+    # misses (0 bytes) later do not make the estimate forget the values' size
+    before = p.item_bytes
+    source.store.clear()
+    for i in range(100, 150):
+        p.take(i)
+        source.complete_all()
+    assert p.item_bytes == before and (p.window, p.batch) == (8, 1)
