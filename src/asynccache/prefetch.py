@@ -70,9 +70,11 @@ MAX_BATCH = 256
 #: value is still read, alone).
 DEFAULT_PREFETCH_BYTES = 32 << 20
 REQUESTS_PER_WINDOW = 8
-#: Until a reply has shown how large values are, the window starts this small (a few
-#: extra round trips once per consumer thread, instead of 2 × 32 values of unknown size).
+#: Until a reply has shown how large values are, the window starts this small, in
+#: requests this small (a few extra round trips once per consumer thread, instead of
+#: 2 × 32 values of unknown size, and a first value behind at most 3 others).
 FIRST_WINDOW = 16
+FIRST_BATCH = 4
 #: weight of the newest reply in the bytes-per-item estimate
 _ALPHA = 0.25
 
@@ -120,7 +122,7 @@ class Prefetcher:
         #: so it is what an item costs in flight for the current mix); 0: not known yet
         self.item_bytes = 0.0
         self.window = min(self.prefetch, FIRST_WINDOW)
-        self.batch = batch_size_for(self.window)
+        self.batch = min(batch_size_for(self.window), FIRST_BATCH)
         self.strict = strict
         self.ready: dict[Any, Any] = {}
         self.inflight: dict[Any, Ticket] = {}

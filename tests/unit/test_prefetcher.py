@@ -15,7 +15,7 @@ import pytest
 import asynccache as ac
 from asynccache.clients.base import NOT_READ
 from asynccache.core import MISSING, Failed
-from asynccache.prefetch import FIRST_WINDOW, Prefetcher, batch_size_for, sized_window
+from asynccache.prefetch import FIRST_BATCH, FIRST_WINDOW, Prefetcher, batch_size_for, sized_window
 from asynccache.sources import ReadSource, Ticket
 
 
@@ -118,7 +118,8 @@ def test_planned_reads_are_prefetch_hits_in_batches() -> None:
     assert p.counts["stalls"] == 0
     assert p.counts["direct_reads"] == 0
     assert p.counts["hits"] == 100 and p.counts["misses"] == 0
-    assert [len(t.indices) for t in source.submitted] == [16] * 6 + [4]
+    # a first window in small requests, then requests of 16 once a reply came back
+    assert [len(t.indices) for t in source.submitted] == [FIRST_BATCH] * 4 + [16] * 5 + [4]
     assert not p.inflight and not p.ready
 
 
@@ -220,7 +221,8 @@ def test_deadline_abandons_the_ticket_and_ignores_its_late_result() -> None:
     p.set_plan(list(range(20)))
     source.hang = True
     assert p.take(0) is MISSING  # the in-flight batch and the direct read both time out
-    assert p.counts["stall_timeouts"] == 2 and not any(i in p.inflight for i in range(8))
+    assert p.counts["stall_timeouts"] == 2  # the abandoned batch left the window:
+    assert not any(i in p.inflight for i in range(FIRST_BATCH))
     source.hang = False
     source.complete_all()  # the late results arrive
     p.take(1)
@@ -352,12 +354,13 @@ def test_large_values_shrink_requests_and_window(value_bytes: int, window: int,
                                                  batch: int) -> None:
     p, source = make(full_store(200), prefetch=64, length=200, value_bytes=value_bytes)
     p.set_plan(list(range(200)))
-    assert len(source.submitted) == 1 and len(source.submitted[0].indices) <= FIRST_WINDOW
+    assert [len(t.indices) for t in source.submitted] == [FIRST_BATCH] * (FIRST_WINDOW
+                                                                          // FIRST_BATCH)
     got, most = _scan(p, source, 200)
     assert got == [f"v{i}" for i in range(200)]
     assert (p.window, p.batch) == (window, batch)
     assert most <= max(window, FIRST_WINDOW) + batch  # in flight + ready stays bounded
-    later = source.submitted[2:]  # after the first replies told the size
+    later = source.submitted[FIRST_WINDOW // FIRST_BATCH + 1:]  # sizes known by then
     assert later and max(len(t.indices) for t in later) <= batch
     assert p.counts["direct_reads"] == 0  # read ahead all along, just in smaller requests
 
