@@ -189,6 +189,83 @@ def test_a_blocking_operation_is_refused_at_class_creation() -> None:
                 return []
 
 
+class Garbled(ac.Provider):
+    """A dict store whose get_many reply can be garbled on purpose (a provider bug)."""
+
+    scheme = "garbled"
+
+    def __init__(self, url: str | None = None, **options: Any) -> None:
+        super().__init__(url, **options)
+        self.data: dict[bytes, bytes] = {}
+        self.garble = "none"
+
+    async def get_many(self, keys: Sequence[bytes]) -> Any:
+        values: list[Any] = [self.data.get(k) for k in keys]
+        if self.garble == "short":
+            return values[1:]  # the first key's value dropped: the rest would shift
+        if self.garble == "long":
+            return [self.data.get(keys[0]), *values]
+        if self.garble == "not bytes":
+            return [None if v is None else v.decode("latin-1") for v in values]
+        if self.garble == "not a list":
+            return 42
+        return values
+
+    async def set_many(self, mapping: Mapping[bytes, bytes], ttl: float | None = None) -> None:
+        self.data.update(mapping)
+
+    async def delete_many(self, keys: Sequence[bytes]) -> None:
+        for k in keys:
+            self.data.pop(k, None)
+
+    async def ping(self) -> None:
+        pass
+
+    async def contains_many(self, keys: Sequence[bytes]) -> Any:
+        found = [k in self.data for k in keys]
+        return found[:-1] if self.garble == "short" else found
+
+
+@pytest.mark.parametrize("garble", ["short", "long", "not bytes", "not a list"])
+def test_a_garbled_get_many_reply_is_a_counted_failure_never_a_wrong_value(garble: str
+                                                                          ) -> None:
+    client = Garbled()
+    source = [f"value {i}" for i in range(40)]
+
+    async def fill() -> None:
+        cache = ac.AsyncKVCache(client, "g")
+        await cache.set_many(dict(enumerate(source)))
+        await cache.aclose()
+
+    asyncio.run(fill())
+    assert len(client.data) == 40
+    with ac.AsyncKVCacheMapDataPipe(source, client, namespace="g") as dp:
+        assert [dp[i] for i in range(40)] == source  # hits
+        assert dp.stats()["hits"] == 40
+        client.garble = garble
+        assert [dp[i] for i in range(40)] == source
+        assert [dp[i] for i in reversed(range(40))] == source[::-1]
+        stats = dp.stats()
+    assert stats["errors"] >= 1
+
+    async def direct() -> None:
+        with pytest.raises(ac.StoreError, match=r"Garbled.get_many returned"):
+            await client.get_many([b"ac:g:0", b"ac:g:1"])
+
+    asyncio.run(direct())
+
+
+def test_a_contains_many_reply_of_the_wrong_length_is_a_store_error() -> None:
+    client = Garbled()
+    client.garble = "short"
+
+    async def main() -> None:
+        with pytest.raises(ac.StoreError, match=r"returned 1 answers for 2 keys"):
+            await client.contains_many([b"a", b"b"])
+
+    asyncio.run(main())
+
+
 # -- the whole stack over LMDB and the outside provider ---------------------------------
 @pytest.fixture(params=["lmdb", "sqlite"])
 def kind(request: pytest.FixtureRequest) -> str:
