@@ -398,3 +398,43 @@ def test_serve_runs_a_store_until_sigint(kind: str) -> None:
                 proc.communicate()
     with pytest.raises(ProcessLookupError):
         os.kill(served["pid"], 0)
+
+
+BIG = '''
+class Big:
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return bytes([index]) * 5000
+'''
+
+
+def test_warm_rewrites_a_chunked_value_whose_chunks_are_gone(
+        redis_server: Any, namespace: str, tmp_path: Path) -> None:
+    (tmp_path / "cli_big.py").write_text(BIG)
+    # item_size=2048: every value is chunked (a manifest and its chunks)
+    url = redis_server.url + ("&" if "?" in redis_server.url else "?") + "item_size=2048"
+    args = ("warm", url, "--dataset", "cli_big:Big", "--namespace", namespace, "--json")
+    first = document(run_cli(*args, cwd=tmp_path))
+    assert first["computed"] == 8
+    prefix = namespace_prefix(namespace)
+    chunks = sorted(k for k in asyncio.run(keys_under(url, prefix))
+                    if k.startswith(prefix + b"c:"))
+    assert len(chunks) >= 16
+    victim = chunks[0]  # one chunk evicted: its value's manifest is still there
+
+    async def evict() -> None:
+        client = ac.connect(url)
+        try:
+            await client.delete_many([victim])
+        finally:
+            await client.close()
+
+    asyncio.run(evict())
+    again = document(run_cli(*args, cwd=tmp_path))
+    assert (again["computed"], again["skipped"], again["failed"]) == (1, 7, 0)
+    source = [bytes([i]) * 5000 for i in range(8)]
+    with ac.AsyncKVCacheMapDataPipe(source, ac.connect(url), namespace=namespace) as dp:
+        assert dp.__getitems__(list(range(8))) == source
+        assert dp.stats()["computed"] == 0
