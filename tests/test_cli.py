@@ -438,3 +438,28 @@ def test_warm_rewrites_a_chunked_value_whose_chunks_are_gone(
     with ac.AsyncKVCacheMapDataPipe(source, ac.connect(url), namespace=namespace) as dp:
         assert dp.__getitems__(list(range(8))) == source
         assert dp.stats()["computed"] == 0
+
+
+def test_flush_of_lmdb_deletes_expired_values_too(namespace: str, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    # LMDB never evicts: an expired value stays in the map until it is deleted, and a
+    # flush is how an operator gets that room back
+    url = f"lmdb://{tmp_path}/cache"
+    prefix = namespace_prefix(namespace)
+
+    async def write() -> dict[str, Any]:
+        client = ac.connect(url)
+        await client.set_many({prefix + b"%d" % i: b"x" * 100 for i in range(5)}, ttl=0.05)
+        await client.set_many({prefix + b"live": b"y"})
+        await client.set_many({namespace_prefix(namespace + "2") + b"1": b"kept"}, ttl=0.05)
+        await asyncio.sleep(0.1)
+        return await client.server_info()
+
+    assert asyncio.run(write())["entries"] == 7
+    code, doc = cli(capsys, "flush", url, "--namespace", namespace, "--yes", "--json")
+    assert code == 0 and doc["deleted"] == 6
+
+    async def left() -> dict[str, Any]:
+        return await ac.connect(url).server_info()
+
+    assert asyncio.run(left())["entries"] == 1  # the other namespace's, expired or not
