@@ -468,3 +468,29 @@ def test_readme_provider_example_runs(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "100 hits"
     assert len(list((tmp_path / "files").iterdir())) == 100  # one file per value
+
+
+class Unfiltered(Garbled):
+    """A provider whose scan forgets to filter by prefix (lists the whole store)."""
+
+    scheme = "unfiltered"
+
+    async def scan(self, prefix: bytes, batch: int = 1000) -> Any:
+        yield [(key, len(value)) for key, value in sorted(self.data.items())]
+
+
+def test_a_scan_listing_keys_outside_its_prefix_deletes_nothing_there() -> None:
+    from asynccache.cli import flush
+
+    client = Unfiltered()
+    client.data = {b"ac:ds:1": b"a", b"ac:ds2:1": b"b", b"session:42": b"c"}
+
+    async def main() -> None:
+        with pytest.raises(ac.StoreError, match=r"listed b'ac:ds2:1', which is not under"):
+            async for _page in client.scan(b"ac:ds:"):
+                pass
+        with pytest.raises(ac.StoreError, match="not under that prefix"):
+            await flush._delete_as_listed(client, b"ac:ds:")
+
+    asyncio.run(main())
+    assert set(client.data) == {b"ac:ds:1", b"ac:ds2:1", b"session:42"}

@@ -335,9 +335,32 @@ def _guard(name: str, fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaita
     return guarded
 
 
+def _scan_page(self: Provider, prefix: bytes, page: Any) -> list[tuple[bytes, int | None]]:
+    """A page of ``scan(prefix)`` checked: (key, size) pairs, every key under ``prefix``.
+
+    ``asynccache flush`` deletes what scan lists: a provider listing keys outside the
+    prefix (a filter forgotten) would have it delete other namespaces' keys, or other
+    applications'. So such a page is a StoreError, and nothing of it is deleted."""
+    try:
+        pairs = [(bytes(key), size) for key, size in page]
+    except (TypeError, ValueError):
+        raise StoreError(f"{self.safe_url}: {type(self).__qualname__}.scan yielded "
+                         f"{type(page).__name__}, not a list of (key, size) pairs") from None
+    for key, _size in pairs:
+        if not key.startswith(prefix):
+            raise StoreError(f"{self.safe_url}: {type(self).__qualname__}.scan({prefix!r}) "
+                             f"listed {key!r:.80}, which is not under that prefix; nothing "
+                             "of that page is used (fix the provider's scan: it must only "
+                             "list keys that start with the prefix)")
+    return pairs
+
+
 def _guard_scan(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    signature = inspect.signature(fn)
+
     @functools.wraps(fn)
     async def guarded(self: Provider, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        prefix = bytes(signature.bind(self, *args, **kwargs).arguments["prefix"])
         inner = fn(self, *args, **kwargs)
         try:
             while True:
@@ -351,7 +374,7 @@ def _guard_scan(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIte
                     raise _timed_out(self, "scan") from exc
                 except Exception as exc:
                     raise _translated(self, "scan", exc) from exc
-                yield item
+                yield _scan_page(self, prefix, item)
         finally:
             await inner.aclose()
 
