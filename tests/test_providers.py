@@ -209,6 +209,10 @@ class Garbled(ac.Provider):
             return [None if v is None else v.decode("latin-1") for v in values]
         if self.garble == "not a list":
             return 42
+        if self.garble == "SystemExit":
+            raise SystemExit(3)  # e.g. a library calling sys.exit() on a lost connection
+        if self.garble == "KeyboardInterrupt":
+            raise KeyboardInterrupt
         return values
 
     async def set_many(self, mapping: Mapping[bytes, bytes], ttl: float | None = None) -> None:
@@ -253,6 +257,27 @@ def test_a_garbled_get_many_reply_is_a_counted_failure_never_a_wrong_value(garbl
             await client.get_many([b"ac:g:0", b"ac:g:1"])
 
     asyncio.run(direct())
+
+
+@pytest.mark.parametrize("garble", ["SystemExit", "KeyboardInterrupt"])
+def test_exit_raised_by_a_provider_on_the_loop_thread_is_a_counted_failure(garble: str
+                                                                          ) -> None:
+    """Off the main thread, a provider's own SystemExit/KeyboardInterrupt would end
+    asynccache's loop thread, and every pipe of the process with it."""
+    client = Garbled()
+    source = [f"value {i}" for i in range(40)]
+    with ac.AsyncKVCacheMapDataPipe(source, client, namespace="x") as dp:
+        assert [dp[i] for i in range(40)] == source  # computed, written back
+        client.garble = garble
+        for _ in range(3):  # the loop thread survives: every pass still right
+            assert [dp[i] for i in range(40)] == source
+        assert dp.stats()["errors"] >= 1
+
+    async def on_the_main_thread() -> None:  # an async service: let it through
+        with pytest.raises(SystemExit if garble == "SystemExit" else KeyboardInterrupt):
+            await client.get_many([b"ac:x:0"])
+
+    asyncio.run(on_the_main_thread())
 
 
 def test_a_contains_many_reply_of_the_wrong_length_is_a_store_error() -> None:

@@ -71,6 +71,7 @@ import asyncio
 import functools
 import inspect
 import sys
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, ClassVar, TypeVar
 from urllib.parse import parse_qsl, urlsplit
@@ -257,7 +258,7 @@ def _timed_out(self: Provider, name: str) -> StoreTimeout:
         f"({self.safe_url}); raise `timeout=` in connect() if the store is just slow")
 
 
-def _translated(self: Provider, name: str, exc: Exception) -> StoreError:
+def _translated(self: Provider, name: str, exc: BaseException) -> StoreError:
     error = StoreError(f"{self.safe_url}: {type(self).__qualname__}.{name} raised "
                        f"{type(exc).__name__}: {exc}")
     error.__cause__ = exc
@@ -325,6 +326,13 @@ def _guard(name: str, fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaita
         except _TIMEOUTS as exc:  # ours (asyncio.timeout) or the provider's own
             raise _timed_out(self, name) from exc
         except Exception as exc:
+            raise _translated(self, name, exc) from exc
+        except (KeyboardInterrupt, SystemExit) as exc:
+            # Raised by the provider's own code: on asynccache's loop thread it would end
+            # the loop (and with it every pipe of the process). A real Ctrl-C is delivered
+            # to the main thread, which is where it is let through.
+            if threading.current_thread() is threading.main_thread():
+                raise
             raise _translated(self, name, exc) from exc
         if check is None:
             return reply
