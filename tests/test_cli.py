@@ -398,3 +398,68 @@ def test_serve_runs_a_store_until_sigint(kind: str) -> None:
                 proc.communicate()
     with pytest.raises(ProcessLookupError):
         os.kill(served["pid"], 0)
+
+
+BIG = '''
+class Big:
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return bytes([index]) * 5000
+'''
+
+
+def test_warm_rewrites_a_chunked_value_whose_chunks_are_gone(
+        redis_server: Any, namespace: str, tmp_path: Path) -> None:
+    (tmp_path / "cli_big.py").write_text(BIG)
+    # item_size=2048: every value is chunked (a manifest and its chunks)
+    url = redis_server.url + ("&" if "?" in redis_server.url else "?") + "item_size=2048"
+    args = ("warm", url, "--dataset", "cli_big:Big", "--namespace", namespace, "--json")
+    first = document(run_cli(*args, cwd=tmp_path))
+    assert first["computed"] == 8
+    prefix = namespace_prefix(namespace)
+    chunks = sorted(k for k in asyncio.run(keys_under(url, prefix))
+                    if k.startswith(prefix + b"c:"))
+    assert len(chunks) >= 16
+    victim = chunks[0]  # one chunk evicted: its value's manifest is still there
+
+    async def evict() -> None:
+        client = ac.connect(url)
+        try:
+            await client.delete_many([victim])
+        finally:
+            await client.close()
+
+    asyncio.run(evict())
+    again = document(run_cli(*args, cwd=tmp_path))
+    assert (again["computed"], again["skipped"], again["failed"]) == (1, 7, 0)
+    source = [bytes([i]) * 5000 for i in range(8)]
+    with ac.AsyncKVCacheMapDataPipe(source, ac.connect(url), namespace=namespace) as dp:
+        assert dp.__getitems__(list(range(8))) == source
+        assert dp.stats()["computed"] == 0
+
+
+def test_flush_of_lmdb_deletes_expired_values_too(namespace: str, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    # LMDB never evicts: an expired value stays in the map until it is deleted, and a
+    # flush is how an operator gets that room back
+    url = f"lmdb://{tmp_path}/cache"
+    prefix = namespace_prefix(namespace)
+
+    async def write() -> dict[str, Any]:
+        client = ac.connect(url)
+        await client.set_many({prefix + b"%d" % i: b"x" * 100 for i in range(5)}, ttl=0.05)
+        await client.set_many({prefix + b"live": b"y"})
+        await client.set_many({namespace_prefix(namespace + "2") + b"1": b"kept"}, ttl=0.05)
+        await asyncio.sleep(0.1)
+        return await client.server_info()
+
+    assert asyncio.run(write())["entries"] == 7
+    code, doc = cli(capsys, "flush", url, "--namespace", namespace, "--yes", "--json")
+    assert code == 0 and doc["deleted"] == 6
+
+    async def left() -> dict[str, Any]:
+        return await ac.connect(url).server_info()
+
+    assert asyncio.run(left())["entries"] == 1  # the other namespace's, expired or not

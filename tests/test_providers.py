@@ -189,6 +189,108 @@ def test_a_blocking_operation_is_refused_at_class_creation() -> None:
                 return []
 
 
+class Garbled(ac.Provider):
+    """A dict store whose get_many reply can be garbled on purpose (a provider bug)."""
+
+    scheme = "garbled"
+
+    def __init__(self, url: str | None = None, **options: Any) -> None:
+        super().__init__(url, **options)
+        self.data: dict[bytes, bytes] = {}
+        self.garble = "none"
+
+    async def get_many(self, keys: Sequence[bytes]) -> Any:
+        values: list[Any] = [self.data.get(k) for k in keys]
+        if self.garble == "short":
+            return values[1:]  # the first key's value dropped: the rest would shift
+        if self.garble == "long":
+            return [self.data.get(keys[0]), *values]
+        if self.garble == "not bytes":
+            return [None if v is None else v.decode("latin-1") for v in values]
+        if self.garble == "not a list":
+            return 42
+        if self.garble == "SystemExit":
+            raise SystemExit(3)  # e.g. a library calling sys.exit() on a lost connection
+        if self.garble == "KeyboardInterrupt":
+            raise KeyboardInterrupt
+        return values
+
+    async def set_many(self, mapping: Mapping[bytes, bytes], ttl: float | None = None) -> None:
+        self.data.update(mapping)
+
+    async def delete_many(self, keys: Sequence[bytes]) -> None:
+        for k in keys:
+            self.data.pop(k, None)
+
+    async def ping(self) -> None:
+        pass
+
+    async def contains_many(self, keys: Sequence[bytes]) -> Any:
+        found = [k in self.data for k in keys]
+        return found[:-1] if self.garble == "short" else found
+
+
+@pytest.mark.parametrize("garble", ["short", "long", "not bytes", "not a list"])
+def test_a_garbled_get_many_reply_is_a_counted_failure_never_a_wrong_value(garble: str
+                                                                          ) -> None:
+    client = Garbled()
+    source = [f"value {i}" for i in range(40)]
+
+    async def fill() -> None:
+        cache = ac.AsyncKVCache(client, "g")
+        await cache.set_many(dict(enumerate(source)))
+        await cache.aclose()
+
+    asyncio.run(fill())
+    assert len(client.data) == 40
+    with ac.AsyncKVCacheMapDataPipe(source, client, namespace="g") as dp:
+        assert [dp[i] for i in range(40)] == source  # hits
+        assert dp.stats()["hits"] == 40
+        client.garble = garble
+        assert [dp[i] for i in range(40)] == source
+        assert [dp[i] for i in reversed(range(40))] == source[::-1]
+        stats = dp.stats()
+    assert stats["errors"] >= 1
+
+    async def direct() -> None:
+        with pytest.raises(ac.StoreError, match=r"Garbled.get_many returned"):
+            await client.get_many([b"ac:g:0", b"ac:g:1"])
+
+    asyncio.run(direct())
+
+
+@pytest.mark.parametrize("garble", ["SystemExit", "KeyboardInterrupt"])
+def test_exit_raised_by_a_provider_on_the_loop_thread_is_a_counted_failure(garble: str
+                                                                          ) -> None:
+    """Off the main thread, a provider's own SystemExit/KeyboardInterrupt would end
+    asynccache's loop thread, and every pipe of the process with it."""
+    client = Garbled()
+    source = [f"value {i}" for i in range(40)]
+    with ac.AsyncKVCacheMapDataPipe(source, client, namespace="x") as dp:
+        assert [dp[i] for i in range(40)] == source  # computed, written back
+        client.garble = garble
+        for _ in range(3):  # the loop thread survives: every pass still right
+            assert [dp[i] for i in range(40)] == source
+        assert dp.stats()["errors"] >= 1
+
+    async def on_the_main_thread() -> None:  # an async service: let it through
+        with pytest.raises(SystemExit if garble == "SystemExit" else KeyboardInterrupt):
+            await client.get_many([b"ac:x:0"])
+
+    asyncio.run(on_the_main_thread())
+
+
+def test_a_contains_many_reply_of_the_wrong_length_is_a_store_error() -> None:
+    client = Garbled()
+    client.garble = "short"
+
+    async def main() -> None:
+        with pytest.raises(ac.StoreError, match=r"returned 1 answers for 2 keys"):
+            await client.contains_many([b"a", b"b"])
+
+    asyncio.run(main())
+
+
 # -- the whole stack over LMDB and the outside provider ---------------------------------
 @pytest.fixture(params=["lmdb", "sqlite"])
 def kind(request: pytest.FixtureRequest) -> str:
@@ -391,3 +493,29 @@ def test_readme_provider_example_runs(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "100 hits"
     assert len(list((tmp_path / "files").iterdir())) == 100  # one file per value
+
+
+class Unfiltered(Garbled):
+    """A provider whose scan forgets to filter by prefix (lists the whole store)."""
+
+    scheme = "unfiltered"
+
+    async def scan(self, prefix: bytes, batch: int = 1000) -> Any:
+        yield [(key, len(value)) for key, value in sorted(self.data.items())]
+
+
+def test_a_scan_listing_keys_outside_its_prefix_deletes_nothing_there() -> None:
+    from asynccache.cli import flush
+
+    client = Unfiltered()
+    client.data = {b"ac:ds:1": b"a", b"ac:ds2:1": b"b", b"session:42": b"c"}
+
+    async def main() -> None:
+        with pytest.raises(ac.StoreError, match=r"listed b'ac:ds2:1', which is not under"):
+            async for _page in client.scan(b"ac:ds:"):
+                pass
+        with pytest.raises(ac.StoreError, match="not under that prefix"):
+            await flush._delete_as_listed(client, b"ac:ds:")
+
+    asyncio.run(main())
+    assert set(client.data) == {b"ac:ds:1", b"ac:ds2:1", b"session:42"}

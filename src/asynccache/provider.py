@@ -36,7 +36,10 @@ What the base does for you, and why:
   (``StoreTimeout`` past it) and an exception that is not a ``StoreError`` or a
   ``ConfigError`` becomes a ``StoreError`` naming your class, the original as its
   ``__cause__``. In the default ``on_error="fallback"`` mode that makes a bug or an
-  outage of your store a counted miss, never an exception in the training loop. The
+  outage of your store a counted miss, never an exception in the training loop.
+  Replies are checked too: ``get_many`` must return one ``bytes`` or ``None`` per key,
+  ``contains_many`` and ``add_many`` one truth value per key, in order; any other reply
+  is a ``StoreError`` (a reply one short would put values on other keys' positions). The
   timeout can only interrupt an ``await``: run blocking library calls in a thread
   (``await asyncio.to_thread(...)``), or keep them short (a local file, an mmap).
 * **Errors you raise** say what the core should do: ``StoreUnavailable`` (cannot
@@ -68,6 +71,7 @@ import asyncio
 import functools
 import inspect
 import sys
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, ClassVar, TypeVar
 from urllib.parse import parse_qsl, urlsplit
@@ -254,32 +258,117 @@ def _timed_out(self: Provider, name: str) -> StoreTimeout:
         f"({self.safe_url}); raise `timeout=` in connect() if the store is just slow")
 
 
-def _translated(self: Provider, name: str, exc: Exception) -> StoreError:
+def _translated(self: Provider, name: str, exc: BaseException) -> StoreError:
     error = StoreError(f"{self.safe_url}: {type(self).__qualname__}.{name} raised "
                        f"{type(exc).__name__}: {exc}")
     error.__cause__ = exc
     return error
 
 
+def _values_reply(self: Provider, name: str, asked: Any, reply: Any) -> list[Any]:
+    """``get_many``'s reply checked: one ``bytes`` (or ``None``) per key asked, in order.
+
+    Anything else is a StoreError: a value per position is what maps values to keys,
+    so a reply one short (or long) would shift every value after it onto another key's
+    position (or an index past the end), and a value that is not bytes is not one the
+    codec can tell apart from damage."""
+    try:
+        values = list(reply)
+        expected = len(asked)
+    except TypeError:
+        raise StoreError(f"{self.safe_url}: {type(self).__qualname__}.{name} returned "
+                         f"{type(reply).__name__}, not a list of values") from None
+    if len(values) != expected:
+        raise StoreError(f"{self.safe_url}: {type(self).__qualname__}.{name} returned "
+                         f"{len(values)} values for {expected} keys (it must return one "
+                         "per key, in order, None where absent)")
+    for i, value in enumerate(values):
+        if value is None or type(value) is bytes:
+            continue
+        if isinstance(value, bytes | bytearray | memoryview):
+            values[i] = bytes(value)
+            continue
+        raise StoreError(f"{self.safe_url}: {type(self).__qualname__}.{name} returned a "
+                         f"value of type {type(value).__name__}; values are bytes (or None "
+                         "where absent)")
+    return values
+
+
+def _flags_reply(self: Provider, name: str, asked: Any, reply: Any) -> list[bool]:
+    """``contains_many``'s / ``add_many``'s reply checked: one truth value per key."""
+    try:
+        flags = [bool(flag) for flag in reply]
+        expected = len(asked)
+    except TypeError:
+        raise StoreError(f"{self.safe_url}: {type(self).__qualname__}.{name} returned "
+                         f"{type(reply).__name__}, not a list of booleans") from None
+    if len(flags) != expected:
+        raise StoreError(f"{self.safe_url}: {type(self).__qualname__}.{name} returned "
+                         f"{len(flags)} answers for {expected} keys (it must return one "
+                         "per key, in order)")
+    return flags
+
+
+#: operations whose reply is one answer per key of their first argument
+_REPLY_CHECKS = {"get_many": _values_reply, "contains_many": _flags_reply,
+                 "add_many": _flags_reply}
+
+
 def _guard(name: str, fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    check = _REPLY_CHECKS.get(name)
+
     @functools.wraps(fn)
     async def guarded(self: Provider, *args: Any, **kwargs: Any) -> Any:
         try:
-            return await _within(self.timeout, fn(self, *args, **kwargs))
+            reply = await _within(self.timeout, fn(self, *args, **kwargs))
         except _PASS:
             raise
         except _TIMEOUTS as exc:  # ours (asyncio.timeout) or the provider's own
             raise _timed_out(self, name) from exc
         except Exception as exc:
             raise _translated(self, name, exc) from exc
+        except (KeyboardInterrupt, SystemExit) as exc:
+            # Raised by the provider's own code: on asynccache's loop thread it would end
+            # the loop (and with it every pipe of the process). A real Ctrl-C is delivered
+            # to the main thread, which is where it is let through.
+            if threading.current_thread() is threading.main_thread():
+                raise
+            raise _translated(self, name, exc) from exc
+        if check is None:
+            return reply
+        asked = args[0] if args else next(iter(kwargs.values()), ())
+        return check(self, name, asked, reply)
 
     guarded._asynccache_guarded = True  # type: ignore[attr-defined]
     return guarded
 
 
+def _scan_page(self: Provider, prefix: bytes, page: Any) -> list[tuple[bytes, int | None]]:
+    """A page of ``scan(prefix)`` checked: (key, size) pairs, every key under ``prefix``.
+
+    ``asynccache flush`` deletes what scan lists: a provider listing keys outside the
+    prefix (a filter forgotten) would have it delete other namespaces' keys, or other
+    applications'. So such a page is a StoreError, and nothing of it is deleted."""
+    try:
+        pairs = [(bytes(key), size) for key, size in page]
+    except (TypeError, ValueError):
+        raise StoreError(f"{self.safe_url}: {type(self).__qualname__}.scan yielded "
+                         f"{type(page).__name__}, not a list of (key, size) pairs") from None
+    for key, _size in pairs:
+        if not key.startswith(prefix):
+            raise StoreError(f"{self.safe_url}: {type(self).__qualname__}.scan({prefix!r}) "
+                             f"listed {key!r:.80}, which is not under that prefix; nothing "
+                             "of that page is used (fix the provider's scan: it must only "
+                             "list keys that start with the prefix)")
+    return pairs
+
+
 def _guard_scan(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    signature = inspect.signature(fn)
+
     @functools.wraps(fn)
     async def guarded(self: Provider, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        prefix = bytes(signature.bind(self, *args, **kwargs).arguments["prefix"])
         inner = fn(self, *args, **kwargs)
         try:
             while True:
@@ -293,7 +382,7 @@ def _guard_scan(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIte
                     raise _timed_out(self, "scan") from exc
                 except Exception as exc:
                     raise _translated(self, "scan", exc) from exc
-                yield item
+                yield _scan_page(self, prefix, item)
         finally:
             await inner.aclose()
 

@@ -8,8 +8,11 @@ afterwards finds hits and computes nothing.
 
 Per batch: one existence check (``contains_many``: keys already there are skipped without
 computing them, which is what makes a second run resume), then the missing items are
-computed and written. The write of a batch is in flight while the next batch is
-computed: the worker is busy with the CPU, the store with the bytes.
+computed and written. Where the store may chunk values, the keys found are read and
+decoded once more: a key is then perhaps only a chunk manifest, and one whose chunks are
+gone (evicted apart from it) is a miss for the pipe, so it is written again. The write
+of a batch is in flight while the next batch is computed: the worker is busy with the
+CPU, the store with the bytes.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from typing import Any
 
 from ..codec import Codec
 from ..connect import connect
-from ..core import AsyncKVCache
+from ..core import MISSING, AsyncKVCache, Failed
 from ..errors import ConfigError, EncodeError, StoreError
+from ..keys import chunk_keys
 
 __all__ = ["WarmJob", "indices_of", "load_dataset", "run_share"]
 
@@ -129,8 +133,10 @@ class _Share:
             for start in range(0, len(share), self.batch):
                 indices = share[start:start + self.batch]
                 keys = [self.cache.key(index) for index in indices]
-                present = await self.client.contains_many(keys)
-                todo = [(i, k) for i, k, there in zip(indices, keys, present) if not there]
+                present = await self.readable(
+                    [k for k, there in zip(keys, await self.client.contains_many(keys))
+                     if there])
+                todo = [(i, k) for i, k in zip(indices, keys) if k not in present]
                 self.count(SKIPPED, len(keys) - len(todo))
                 entries, items = self.compute(todo)
                 if writing is not None:
@@ -148,6 +154,28 @@ class _Share:
         finally:
             await self.client.close()
         return True
+
+    async def readable(self, keys: list[bytes]) -> set[bytes]:
+        """Of ``keys`` (which the store holds), those a pipe would read as a hit. Where
+        the store may split values into chunks, a key is only a manifest: one whose
+        chunks are gone (evicted apart from it, or refused when it was written) is read
+        as a miss, so it must be written again, not skipped. Only manifests are checked
+        further (their chunks' existence, no chunk transferred); a value the codec does
+        not accept is a miss too."""
+        if not keys or self.client.max_value_size is None:
+            return set(keys)  # never chunked; no manifest to check
+        blobs = await self.client.get_many(keys)
+        values, manifests = self.cache.decode_blobs(keys, blobs)
+        found = {key for key, value in zip(keys, values)
+                 if value is not MISSING and type(value) is not Failed}
+        if manifests:
+            plan = {keys[i]: chunk_keys(keys[i], m.token, m.chunks)
+                    for i, m in manifests.items()}
+            flat = [k for chunk_list in plan.values() for k in chunk_list]
+            there = dict(zip(flat, await self.client.contains_many(flat)))
+            found.update(key for key, chunk_list in plan.items()
+                         if all(there[k] for k in chunk_list))
+        return found
 
     def compute(self, todo: list[tuple[Any, bytes]]) -> tuple[dict[bytes, bytes], int]:
         """Encoded entries for the missing items; an item that raises is counted failed."""

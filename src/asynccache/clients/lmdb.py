@@ -458,8 +458,11 @@ class LmdbClient(Provider):
     async def scan(self, prefix: bytes, batch: int = 1000
                    ) -> AsyncIterator[list[tuple[bytes, int | None]]]:
         """Keys under ``prefix`` with the size of their value (header excluded), in key
-        order, expired ones left out. One short read transaction per batch (a long one
-        would keep old pages from being reused while the caller works)."""
+        order, expired ones included: LMDB never evicts, so an expired value holds its
+        room in the map until it is deleted, and ``asynccache flush`` (which deletes what
+        this lists) is how an operator gets it back; ``stats`` counts what is stored.
+        One short read transaction per batch (a long one would keep old pages from
+        being reused while the caller works)."""
         after: bytes | None = None
         while True:
             found = self._scan_batch(prefix, after, max(1, batch))
@@ -472,7 +475,6 @@ class LmdbClient(Provider):
 
     def _scan_batch(self, prefix: bytes, after: bytes | None, batch: int
                     ) -> list[tuple[bytes, int | None]]:
-        now = time.time()
         out: list[tuple[bytes, int | None]] = []
         try:
             with self.using() as env, env.begin(buffers=True) as txn, \
@@ -485,9 +487,7 @@ class LmdbClient(Provider):
                         continue
                     if not key.startswith(prefix) or len(out) >= batch:
                         break
-                    value = unpack_value(stored, now)
-                    if value is not None:
-                        out.append((key, len(value)))
+                    out.append((key, _payload_size(stored)))
         except lmdb.Error as exc:
             raise self._translate(exc, "scan") from exc
         return out
@@ -564,6 +564,13 @@ def _human(size: int) -> str:
 
 def _single_node(keys: Sequence[bytes]) -> list[tuple[int, list[int]]]:
     return [(0, list(range(len(keys))))]
+
+
+def _payload_size(stored: Any) -> int:
+    """The size of a stored value without our header (bytes without it: all of them)."""
+    if len(stored) < HEADER.size or stored[:4] != MAGIC:
+        return len(stored)
+    return len(stored) - HEADER.size
 
 
 def _alive(stored: Any, now: float) -> bool:
