@@ -144,9 +144,11 @@ def test_random_access_and_wrong_guesses_stay_correct(redis_server: servers.Redi
         with pytest.raises(IndexError):
             dp[400]
         stats = dp.stats()
-    # wrong guesses cost bounded work: the direct reads plus at most one plan's worth
+    # wrong guesses cost bounded work: the direct reads plus about one plan's worth (and a
+    # window more: two consecutive random reads re-plan sequentially from there)
     assert stats["prefetch_hits"] + stats["direct_reads"] <= 301
-    assert stats["keys_requested"] <= 301 + 400
+    assert stats["keys_requested"] <= 301 + 400 + 64, str(
+        {k: v for k, v in stats.items() if v})
 
 
 def test_getitems_is_one_batched_read(redis_server: servers.RedisServer, namespace: str) -> None:
