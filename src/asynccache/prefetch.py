@@ -123,6 +123,12 @@ class Prefetcher:
         self.item_bytes = 0.0
         self.window = min(self.prefetch, FIRST_WINDOW)
         self.batch = min(batch_size_for(self.window), FIRST_BATCH)
+        #: bytes per item below which sizes change nothing (the full window and its
+        #: requests fit the byte bounds): replies of such items are not even looked at
+        full = batch_size_for(self.prefetch)
+        self.small_item = (0.0 if not full else
+                           min(prefetch_bytes / self.prefetch,
+                               max(1, prefetch_bytes // REQUESTS_PER_WINDOW) / full))
         self.strict = strict
         self.ready: dict[Any, Any] = {}
         self.inflight: dict[Any, Ticket] = {}
@@ -245,7 +251,8 @@ class Prefetcher:
         """Move completed read-ahead into the ready buffer; drop what was not read."""
         generation, ready, inflight = self.generation, self.ready, self.inflight
         for ticket in tickets:
-            if ticket.nbytes or self.window < self.prefetch:
+            if (self.window < self.prefetch
+                    or ticket.nbytes > self.small_item * len(ticket.indices)):
                 self._learn(ticket)
             if ticket.direct or ticket.abandoned or ticket.generation != generation:
                 continue
