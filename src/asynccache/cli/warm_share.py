@@ -165,7 +165,7 @@ class _Share:
         if not keys or self.client.max_value_size is None:
             return set(keys)  # never chunked; no manifest to check
         blobs = await self.client.get_many(keys)
-        values, manifests = self.cache.decode_blobs(keys, blobs)
+        values, manifests, _nbytes = self.cache.decode_blobs(keys, blobs)
         found = {key for key, value in zip(keys, values)
                  if value is not MISSING and type(value) is not Failed}
         if manifests:
