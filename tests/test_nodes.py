@@ -220,3 +220,31 @@ def test_bad_arguments(ds: Dataset) -> None:
     assert node.namespace.startswith("auto-")
     assert node.namespace == CachedMapper(IterableWrapper([2]), ds.__getitem__,
                                           client).namespace
+
+
+def test_large_values_are_read_ahead_in_byte_bounded_requests(redis_server: Any,
+                                                              namespace: str) -> None:
+    """64 KiB values with prefetch_bytes=512 KiB: requests of one value (1/8 of it is
+    less than one encoded value), at most 8 values ahead, instead of 32-value requests;
+    values still right."""
+    n = 64
+    blob = bytes(range(256)) * 256  # 64 KiB
+
+    def big(i: int) -> bytes:
+        return blob[:-8] + i.to_bytes(8, "little")
+
+    client = ac.connect(redis_server.url)
+    warm = ac.AsyncKVCacheMapDataPipe([big(i) for i in range(n)], client,
+                                      namespace=namespace)
+    warm.__getitems__(list(range(n)))
+    warm.close()
+    node = CachedMapper(SamplerWrapper(SequentialSampler(range(n))), big, client,
+                        namespace=namespace, prefetch=64, prefetch_bytes=512 * 1024)
+    got = list(Loader(node))
+    stats = node.stats()
+    window = (node._window, node._batch)
+    node.close()
+    assert got == [big(i) for i in range(n)]
+    assert stats["hits"] == n and stats["computed"] == 0
+    assert window in ((7, 1), (8, 1))  # 512 KiB over values of 64 KiB + their header
+    assert stats["batches"] >= n - 16  # after the first window, one value per request

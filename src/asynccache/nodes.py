@@ -46,7 +46,15 @@ from .core import MISSING, AsyncKVCache, Failed, OnError
 from .errors import ConfigError, KeyTooLong, MissingDependency
 from .histogram import merge
 from .keys import encode_key
-from .prefetch import batch_size_for
+from .prefetch import (
+    DEFAULT_PREFETCH_BYTES,
+    FIRST_BATCH,
+    FIRST_WINDOW,
+    batch_size_for,
+    learned,
+    sized_window,
+    small_item_bytes,
+)
 from .runtime import CacheRuntime, Reports
 from .sources import ReadSource, Ticket
 
@@ -156,9 +164,11 @@ class CachedMapper(BaseNode[T]):
     """Yields ``map_fn(item)`` for each item of ``source``, cached in a shared store.
 
     ``prefetch``: items pulled ahead from the source and read from the store in batches
-    (0: one item at a time). ``num_workers``: threads (``method="thread"``) or processes
-    (``"process"``, ``map_fn`` must then pickle) that compute misses as soon as
-    read-ahead finds them; 0 computes them in the calling thread when reached.
+    (0: one item at a time), bounded in bytes too by ``prefetch_bytes`` (learned from
+    the sizes read, as the pipe's read-ahead). ``num_workers``: threads
+    (``method="thread"``) or processes (``"process"``, ``map_fn`` must then pickle)
+    that compute misses as soon as read-ahead finds them; 0 computes them in the calling
+    thread when reached.
     ``l1_bytes``: an in-process LRU of encoded values in front of the store.
     ``key_fn(item)``: the cache key of an item (default: the item itself, e.g. the
     index a ``SamplerWrapper`` yields). ``snapshot_frequency``: how often (in items) the
@@ -188,6 +198,7 @@ class CachedMapper(BaseNode[T]):
         multiprocessing_context: str | None = None,
         snapshot_frequency: int = 64,
         l1_bytes: int | None = None,
+        prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
     ) -> None:
         super().__init__()
         if not isinstance(source, BaseNode):
@@ -196,7 +207,8 @@ class CachedMapper(BaseNode[T]):
         if not callable(map_fn):
             raise ConfigError(f"map_fn must be callable, got {type(map_fn).__name__}")
         for name, value, low in (("prefetch", prefetch, 0), ("num_workers", num_workers, 0),
-                                 ("snapshot_frequency", snapshot_frequency, 1)):
+                                 ("snapshot_frequency", snapshot_frequency, 1),
+                                 ("prefetch_bytes", prefetch_bytes, 1)):
             if type(value) is not int or value < low:
                 raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
         if method not in ("thread", "process"):
@@ -223,8 +235,15 @@ class CachedMapper(BaseNode[T]):
         self._prefix = probe.prefix
         self._max_key_size = probe.max_key_size
         self._strict = on_error == "raise"
-        self._window = max(1, prefetch)
-        self._batch = batch_size_for(self._window)
+        # read-ahead bounded in bytes too, as the pipe's (see asynccache.prefetch): a small
+        # first window until a reply shows the sizes, then sized by them
+        self.prefetch_bytes = prefetch_bytes
+        self._prefetch = max(1, prefetch)
+        self._item_bytes = 0.0
+        self._small_item = small_item_bytes(self._prefetch, prefetch_bytes)
+        self._full_batch = batch_size_for(self._prefetch)
+        self._window = min(self._prefetch, FIRST_WINDOW)
+        self._batch = min(batch_size_for(self._window), FIRST_BATCH)
         self._rt: _NodeRuntime | None = None
         self._ahead: collections.deque[_Entry] = collections.deque()
         self._unsent: list[_Entry] = []
@@ -325,7 +344,17 @@ class CachedMapper(BaseNode[T]):
         self._arrived(reads.poll())
 
     def _arrived(self, tickets: list[Ticket]) -> None:
-        """Completed reads: their misses go to the workers at once (computed ahead)."""
+        """Completed reads: their sizes set the window; their misses go to the workers at
+        once (computed ahead)."""
+        for ticket in tickets:
+            if ticket.abandoned or not ticket.indices:
+                continue
+            if (self._batch < self._full_batch or self._window < self._prefetch
+                    or ticket.nbytes > self._small_item * len(ticket.indices)):
+                self._item_bytes = learned(self._item_bytes, ticket.nbytes,
+                                           len(ticket.indices))
+                self._window, self._batch = sized_window(
+                    self._prefetch, self.prefetch_bytes, self._item_bytes)
         rt = self._rt
         pool = rt.executor() if rt is not None else None
         if pool is None:

@@ -42,7 +42,8 @@ from .core import MISSING, Failed
 from .errors import CacheError, StoreTimeout
 from .sources import ReadSource, Ticket
 
-__all__ = ["DEFAULT_PREFETCH_BYTES", "Prefetcher", "batch_size_for", "sized_window"]
+__all__ = ["DEFAULT_PREFETCH_BYTES", "FIRST_BATCH", "FIRST_WINDOW", "Prefetcher", "batch_size_for",
+           "learned", "sized_window", "small_item_bytes"]
 
 
 class _Nothing:
@@ -86,6 +87,24 @@ def batch_size_for(window: int) -> int:
     return max(min(window, MIN_BATCH), min(MAX_BATCH, window // 2))
 
 
+def learned(item_bytes: float, nbytes: int, items: int) -> float:
+    """The bytes-per-item estimate after a reply of ``nbytes`` for ``items`` keys (a
+    moving average; a reply without bytes -- all misses -- teaches nothing)."""
+    if not nbytes or not items:
+        return item_bytes
+    per_item = nbytes / items
+    return per_item if item_bytes <= 0 else item_bytes + _ALPHA * (per_item - item_bytes)
+
+
+def small_item_bytes(prefetch: int, prefetch_bytes: int) -> float:
+    """Bytes per item below which sizes change nothing: the full window and its requests
+    fit the byte bounds, so replies of such items need not be looked at."""
+    full = batch_size_for(prefetch)
+    if not full:
+        return 0.0
+    return min(prefetch_bytes / prefetch, max(1, prefetch_bytes // REQUESTS_PER_WINDOW) / full)
+
+
 def sized_window(prefetch: int, prefetch_bytes: int, item_bytes: float) -> tuple[int, int]:
     """(window, batch) in items for ``prefetch`` items of ``item_bytes`` on average,
     bounded by ``prefetch_bytes``; ``item_bytes <= 0``: nothing known, items only."""
@@ -123,12 +142,8 @@ class Prefetcher:
         self.item_bytes = 0.0
         self.window = min(self.prefetch, FIRST_WINDOW)
         self.batch = min(batch_size_for(self.window), FIRST_BATCH)
-        #: bytes per item below which sizes change nothing (the full window and its
-        #: requests fit the byte bounds): replies of such items are not even looked at
-        full = batch_size_for(self.prefetch)
-        self.small_item = (0.0 if not full else
-                           min(prefetch_bytes / self.prefetch,
-                               max(1, prefetch_bytes // REQUESTS_PER_WINDOW) / full))
+        self.small_item = small_item_bytes(self.prefetch, prefetch_bytes)
+        self.full_batch = batch_size_for(self.prefetch)
         self.strict = strict
         self.ready: dict[Any, Any] = {}
         self.inflight: dict[Any, Ticket] = {}
@@ -251,7 +266,7 @@ class Prefetcher:
         """Move completed read-ahead into the ready buffer; drop what was not read."""
         generation, ready, inflight = self.generation, self.ready, self.inflight
         for ticket in tickets:
-            if (self.window < self.prefetch
+            if (self.batch < self.full_batch or self.window < self.prefetch
                     or ticket.nbytes > self.small_item * len(ticket.indices)):
                 self._learn(ticket)
             if ticket.direct or ticket.abandoned or ticket.generation != generation:
@@ -267,13 +282,9 @@ class Prefetcher:
         """Size the window by the bytes ``ticket`` carried. A reply without bytes (all
         misses, a cold epoch) teaches nothing about sizes: it only ends the small first
         window when no size is known yet."""
-        items = len(ticket.indices)
-        if not items or ticket.abandoned:
+        if not ticket.indices or ticket.abandoned:
             return
-        if ticket.nbytes:
-            per_item = ticket.nbytes / items
-            known = self.item_bytes
-            self.item_bytes = per_item if known <= 0 else known + _ALPHA * (per_item - known)
+        self.item_bytes = learned(self.item_bytes, ticket.nbytes, len(ticket.indices))
         self.window, self.batch = sized_window(self.prefetch, self.prefetch_bytes,
                                                self.item_bytes)
 

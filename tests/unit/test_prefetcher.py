@@ -386,3 +386,15 @@ def test_replies_without_bytes_end_the_small_first_window_but_teach_no_size() ->
         p.take(i)
         source.complete_all()
     assert p.item_bytes == before and (p.window, p.batch) == (8, 1)
+
+
+def test_a_small_prefetch_regains_its_full_batches_after_the_first_reply() -> None:
+    """prefetch=8 is already inside the first window: its requests are still 4 until a
+    reply comes, then 8 (batch_size_for(8)), not 4 forever."""
+    p, source = make(full_store(), prefetch=8, value_bytes=100)
+    p.set_plan(list(range(100)))
+    assert [len(t.indices) for t in source.submitted] == [FIRST_BATCH, FIRST_BATCH]
+    got, _most = _scan(p, source, 100)
+    assert got == [f"v{i}" for i in range(100)]
+    assert (p.window, p.batch) == (8, batch_size_for(8))
+    assert max(len(t.indices) for t in source.submitted[2:]) == batch_size_for(8)
