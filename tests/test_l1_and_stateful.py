@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,19 @@ async def test_l1_in_get_many(redis_server: Any, namespace: str) -> None:
 # ---------------------------------------------------------------------- StatefulDataLoader
 
 
+def resumed_after_five_batches(make: Callable[[], StatefulDataLoader]) -> list[list[int]]:
+    """The indices of an epoch read as 5 batches, a saved state, and the rest from a fresh
+    loader that loaded that state."""
+    loader = make()
+    it = iter(loader)
+    head = [[v["i"] for v in next(it)] for _ in range(5)]
+    state = loader.state_dict()
+    del it
+    fresh = make()
+    fresh.load_state_dict(state)
+    return head + [[v["i"] for v in b] for b in fresh]
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_pipe_resumes_under_stateful_dataloader(redis_server: Any, namespace: str,
                                                 tmp_path: Path, workers: int) -> None:
@@ -134,15 +148,7 @@ def test_pipe_resumes_under_stateful_dataloader(redis_server: Any, namespace: st
     reference = [[v["i"] for v in b] for b in make()]  # computes and caches everything
     assert sorted(computed(log)) == list(range(N))
     os.unlink(log)
-    loader = make()
-    it = iter(loader)
-    head = [[v["i"] for v in next(it)] for _ in range(5)]
-    state = loader.state_dict()
-    del it
-    fresh = make()
-    fresh.load_state_dict(state)
-    tail = [[v["i"] for v in b] for b in fresh]
-    assert head + tail == reference
+    assert resumed_after_five_batches(make) == reference
     assert computed(log) == []  # every sample came from the cache
 
 
@@ -162,15 +168,7 @@ def test_node_resumes_under_stateful_dataloader(redis_server: Any, namespace: st
     reference = [[v["i"] for v in b] for b in make()]
     assert sorted(i for b in reference for i in b) == list(range(N))
     computed_before = len(computed(log))
-    loader = make()
-    it = iter(loader)
-    head = [[v["i"] for v in next(it)] for _ in range(5)]
-    state = loader.state_dict()
-    del it
-    fresh = make()
-    fresh.load_state_dict(state)
-    tail = [[v["i"] for v in b] for b in fresh]
-    assert head + tail == reference
+    assert resumed_after_five_batches(make) == reference
     assert len(computed(log)) == computed_before  # the resumed run computed nothing
 
 

@@ -47,7 +47,6 @@ from .clients.base import BaseClient
 from .codec import Codec
 from .core import MISSING, AsyncKVCache, OnError
 from .errors import ConfigError, KeyTooLong
-from .histogram import merge
 from .keys import encode_key
 from .prefetch import DEFAULT_PREFETCH_BYTES, Prefetcher
 from .runtime import CacheRuntime, Reports
@@ -498,11 +497,7 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         (see :meth:`AsyncKVCache.latency <asynccache.core.AsyncKVCache.latency>`), summed
         over the processes of the job like :meth:`stats`; ``per_process=True``:
         ``{pid: {kind: Latency}}``."""
-        rt = self._rt
-        local = rt.cache.latency() if rt is not None and rt.current() else merge([])
-        if per_process:
-            return {os.getpid(): local, **self._reports.latency_others()}
-        return self._reports.latency_total(local)
+        return self._reports.latency(self._rt, per_process)
 
     def _local_stats(self) -> dict[str, int]:
         rt = self._rt

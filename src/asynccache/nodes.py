@@ -44,7 +44,6 @@ from .clients.base import NOT_READ, BaseClient
 from .codec import Codec
 from .core import MISSING, AsyncKVCache, Failed, OnError
 from .errors import ConfigError, KeyTooLong, MissingDependency
-from .histogram import merge
 from .keys import encode_key
 from .prefetch import (
     DEFAULT_PREFETCH_BYTES,
@@ -455,11 +454,7 @@ class CachedMapper(BaseNode[T]):
         """Durations of the node's store requests, ``{"read": Latency, "write": Latency}``,
         summed over the processes of the job like :meth:`stats`; ``per_process=True``:
         ``{pid: {kind: Latency}}``."""
-        rt = self._rt
-        local = rt.cache.latency() if rt is not None and rt.current() else merge([])
-        if per_process:
-            return {os.getpid(): local, **self._reports.latency_others()}
-        return self._reports.latency_total(local)
+        return self._reports.latency(self._rt, per_process)
 
     def flush(self, timeout: float = EPOCH_FLUSH_TIMEOUT) -> None:
         if self._rt is not None:

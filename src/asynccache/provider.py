@@ -272,16 +272,8 @@ def _values_reply(self: Provider, name: str, asked: Any, reply: Any) -> list[Any
     so a reply one short (or long) would shift every value after it onto another key's
     position (or an index past the end), and a value that is not bytes is not one the
     codec can tell apart from damage."""
-    try:
-        values = list(reply)
-        expected = len(asked)
-    except TypeError:
-        raise StoreError(f"{self.safe_url}: {type(self).__qualname__}.{name} returned "
-                         f"{type(reply).__name__}, not a list of values") from None
-    if len(values) != expected:
-        raise StoreError(f"{self.safe_url}: {type(self).__qualname__}.{name} returned "
-                         f"{len(values)} values for {expected} keys (it must return one "
-                         "per key, in order, None where absent)")
+    values = _one_per_key(self, name, asked, reply, list, "values",
+                          "one per key, in order, None where absent")
     for i, value in enumerate(values):
         if value is None or type(value) is bytes:
             continue
@@ -296,17 +288,23 @@ def _values_reply(self: Provider, name: str, asked: Any, reply: Any) -> list[Any
 
 def _flags_reply(self: Provider, name: str, asked: Any, reply: Any) -> list[bool]:
     """``contains_many``'s / ``add_many``'s reply checked: one truth value per key."""
+    return _one_per_key(self, name, asked, reply, lambda r: [bool(flag) for flag in r],
+                        "answers", "one per key, in order")
+
+
+def _one_per_key(self: Provider, name: str, asked: Any, reply: Any,
+                 convert: Callable[[Any], list[Any]], what: str, rule: str) -> list[Any]:
+    """``convert(reply)``, as many as keys were asked, or a StoreError saying ``rule``."""
     try:
-        flags = [bool(flag) for flag in reply]
+        answers = convert(reply)
         expected = len(asked)
     except TypeError:
         raise StoreError(f"{self.safe_url}: {type(self).__qualname__}.{name} returned "
-                         f"{type(reply).__name__}, not a list of booleans") from None
-    if len(flags) != expected:
+                         f"{type(reply).__name__}, not a list of {what}") from None
+    if len(answers) != expected:
         raise StoreError(f"{self.safe_url}: {type(self).__qualname__}.{name} returned "
-                         f"{len(flags)} answers for {expected} keys (it must return one "
-                         "per key, in order)")
-    return flags
+                         f"{len(answers)} {what} for {expected} keys (it must return {rule})")
+    return answers
 
 
 #: operations whose reply is one answer per key of their first argument

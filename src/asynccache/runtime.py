@@ -83,7 +83,13 @@ class Reports:
                 continue  # written by another asynccache version: skip, never fail
         return found
 
-    def latency_total(self, local: dict[str, Latency]) -> dict[str, Latency]:
+    def latency(self, runtime: CacheRuntime | None, per_process: bool) -> Any:
+        """What ``latency()`` of a pipe or node returns: this process's histograms (its
+        runtime's, if live here) and the copies', summed or by pid."""
+        local = (runtime.cache.latency() if runtime is not None and runtime.current()
+                 else merge([]))
+        if per_process:
+            return {os.getpid(): local, **self.latency_others()}
         return merge([local, *self.latency_others().values()])
 
 
