@@ -10,7 +10,10 @@ just loops over the selected ones::
 Our modules also take ``session=`` (the stores, machine description and sizes shared by
 one CLI run); without it they start their own private servers.
 
-Modules: ``core`` (``AsyncKVCache.get_many`` against a hand-written ``redis.asyncio``
+Modules: ``goals`` (the goals of large values and scale-out, one ratio each: large
+values against per-key GET and the loopback limit, small values against the MGET loop,
+memcached against aiomcache and emcache, a 3-node cluster against one node, cold and
+warm DataLoader epochs against no cache), ``core`` (``AsyncKVCache.get_many`` against a hand-written ``redis.asyncio``
 MGET loop, layer by layer), ``datapipe`` (the pipe's read paths against the same floor,
 a naive client and a dict), ``latency`` (the three read paths by value size, batch size
 and prefetch depth on Redis, Valkey and memcached, with six peers in the same run),
@@ -34,4 +37,4 @@ from __future__ import annotations
 __all__ = ["MODULES"]
 
 #: benchmark modules in the order a full run goes through them
-MODULES = ("core", "datapipe", "latency", "network", "dataloader", "workers", "local")
+MODULES = ("goals", "core", "datapipe", "latency", "network", "dataloader", "workers", "local")

@@ -136,7 +136,11 @@ class ProxyProcess:
 
     def proxy_for(self, store: Store) -> int:
         """Start a proxy to ``store``; returns the port to connect to."""
-        return int(self._ask(cmd="start", host=store.host, port=store.port)["port"])
+        return self.proxy_to(store.host, store.port)
+
+    def proxy_to(self, host: str, port: int) -> int:
+        """Start a proxy to ``host:port``; returns the port to connect to."""
+        return int(self._ask(cmd="start", host=host, port=port)["port"])
 
     def set_latency(self, port: int, rtt: float) -> None:
         self._ask(cmd="latency", port=port, rtt=rtt)
