@@ -64,7 +64,7 @@ from .peers import delete_keys, peers_for
 KIB, MIB = 1024, 1 << 20
 LARGE_SIZES = (256 * KIB, MIB, 4 * MIB)
 #: bytes read per repetition of a large-value case: (full, quick, smoke)
-LARGE_BYTES = (256 * MIB, 64 * MIB, 8 * MIB)
+LARGE_BYTES = (512 * MIB, 256 * MIB, 8 * MIB)
 SMALL_SIZES = (100, 4 * KIB)
 SMALL_ITEMS = (20_000, 6_000, 400)
 CLUSTER_ITEMS = (20_000, 6_000, 400)
