@@ -70,7 +70,7 @@ MAX_BATCH = 256
 #: about ``prefetch_bytes / REQUESTS_PER_WINDOW`` (at least one value: a single 50 MiB
 #: value is still read, alone).
 DEFAULT_PREFETCH_BYTES = 32 << 20
-REQUESTS_PER_WINDOW = 8
+REQUESTS_PER_WINDOW = 16
 #: Until a reply has shown how large values are, the window starts this small, in
 #: requests this small (a few extra round trips once per consumer thread, instead of
 #: 2 × 32 values of unknown size, and a first value behind at most 3 others).
@@ -309,7 +309,7 @@ class Prefetcher:
                 self.prefetch_hits += 1
             return value
         if not ticket.done:
-            self._deliver(self.source.poll())
+            self._deliver(self.source.advance(ticket))
         stalled = not ticket.done
         if stalled:  # not here yet: a real stall
             self.stalls += 1
@@ -317,7 +317,7 @@ class Prefetcher:
             if not self.source.wait(ticket):
                 self._abandon(ticket)
             self.stall_us += int((time.perf_counter() - started) * 1e6)
-        self._deliver(self.source.poll())
+        self._deliver(self.source.advance(ticket))
         value = self.ready.pop(index, _NOTHING)
         if value is _NOTHING:
             if self.strict and ticket.error is not None:
@@ -329,8 +329,16 @@ class Prefetcher:
     def _read_direct(self, indices: list[Any]) -> list[Any]:
         """Values for indices nobody requested yet (or whose read failed): one request,
         waited for. ``MISSING`` where absent or not readable (raise mode raises)."""
+        return self._end_direct(self._start_direct(indices))
+
+    def _start_direct(self, indices: list[Any]) -> Ticket:
+        """Send the request of :meth:`_read_direct` (read-ahead sent after it queues
+        behind it, not in front: one round trip for both)."""
         self.direct_reads += len(indices)
-        ticket = self._submit(indices, direct=True)
+        return self._submit(indices, direct=True)
+
+    def _end_direct(self, ticket: Ticket) -> list[Any]:
+        indices = ticket.indices
         if not ticket.done and not self.source.wait(ticket):
             self._abandon(ticket)
         self._deliver(self.source.poll())  # read-ahead that completed meanwhile
@@ -389,9 +397,13 @@ class Prefetcher:
         in_order = self.pos < self.plan_len and self.plan[self.pos] == index
         on_plan = self._advance(index)
         value = self._await(index)
-        self._after(index, on_plan)
         if value is _NOTHING or (value is MISSING and not in_order):
-            value = self._read_direct([index])[0]
+            # sent before the read-ahead _after may start: behind it, this read would
+            # wait for all of it (a new epoch's first window: tens of MiB of large values)
+            ticket = self._start_direct([index])
+            self._after(index, on_plan)
+            return self._result(self._end_direct(ticket)[0])
+        self._after(index, on_plan)
         return self._result(value)
 
     def take_many(self, indices: Sequence[Any]) -> list[Any]:
@@ -419,6 +431,9 @@ class Prefetcher:
                 value = out[n] = self._await(indices[n])
                 if value is _NOTHING or (value is MISSING and not in_order[n]):
                     todo.append(n)
+        direct = None
+        if todo:  # sent before the read-ahead below: it must not queue behind it
+            direct = self._start_direct(list(dict.fromkeys(indices[n] for n in todo)))
         if indices:
             self.drop_stale()
             if on_plan:
@@ -426,9 +441,8 @@ class Prefetcher:
             elif contiguous and self.window and self.length is not None:
                 self._sequential_from(indices[-1])
             self.last_index = indices[-1]
-        if todo:
-            unique = list(dict.fromkeys(indices[n] for n in todo))
-            fetched = dict(zip(unique, self._read_direct(unique)))
+        if direct is not None:
+            fetched = dict(zip(direct.indices, self._end_direct(direct)))
             for n in todo:
                 out[n] = fetched[indices[n]]
         return [self._result(v) for v in out]

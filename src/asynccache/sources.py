@@ -83,6 +83,12 @@ class ReadSource(ABC):
     def wait(self, ticket: Ticket) -> bool:
         """Block until ``ticket`` completes; False if it could not within its deadline."""
 
+    def advance(self, ticket: Ticket) -> list[Ticket]:
+        """Like :meth:`poll`, but doing no more work than ``ticket`` needs: the consumer
+        waits for it, and what else arrived is left for the reads that need it, so no
+        single read pays for receiving and decoding a whole window of read-ahead."""
+        return self.poll()
+
     def close(self) -> None:
         """Drop what is in flight and release connections (the consumer thread's)."""
         return None
@@ -144,6 +150,24 @@ class SocketSource(ReadSource):
                 continue
             try:
                 replies = conn.poll()
+            except StoreError as exc:
+                self._lost(ci, exc)
+                continue
+            for reply in replies:
+                self._arrived(ci, reply)
+        completed, self.completed = self.completed, []
+        return completed
+
+    def advance(self, ticket: Ticket) -> list[Ticket]:
+        for ci, parts in enumerate(self.parts):
+            if ticket.done:
+                break
+            # replies come in order: parse this connection only up to the ticket's part
+            upto = next((n for n, (t, _, _) in enumerate(parts) if t is ticket), None)
+            if upto is None:
+                continue
+            try:
+                replies = self.conns[ci].poll(upto + 1)
             except StoreError as exc:
                 self._lost(ci, exc)
                 continue
@@ -338,6 +362,15 @@ class L1Source(ReadSource):
         out, self.completed = self.completed, []
         for ticket in self.inner.poll():
             merged = self._merged(ticket)
+            if merged is not None:
+                out.append(merged)
+        return out
+
+    def advance(self, ticket: Ticket) -> list[Ticket]:
+        rest = self.rest.get(id(ticket))
+        out, self.completed = self.completed, []
+        for done in self.inner.advance(ticket if rest is None else rest):
+            merged = self._merged(done)
             if merged is not None:
                 out.append(merged)
         return out

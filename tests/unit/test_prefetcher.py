@@ -152,8 +152,9 @@ def test_unplanned_index_is_one_direct_read() -> None:
 def test_sequential_reads_switch_to_read_ahead() -> None:
     p, source = make(full_store(), prefetch=8, auto=True)
     assert [p.take(i) for i in (10, 11)] == ["v10", "v11"]
-    # two in a row: read-ahead from 12 is sent first, pipelined before 11's own read
-    assert source.requested == [10, *range(12, 20), 11]
+    # two in a row: 11's own read first, read-ahead from 12 pipelined right behind it
+    # (in front, 11 would wait for the whole window: tens of MiB of large values)
+    assert source.requested == [10, 11, *range(12, 20)]
     for i in range(12, 40):
         assert p.take(i) == f"v{i}"
     assert p.counts["direct_reads"] == 2 and p.counts["prefetch_hits"] == 28
@@ -329,8 +330,8 @@ MIB = 1 << 20
 def test_sized_window_bounds_items_by_bytes() -> None:
     assert sized_window(64, 32 * MIB, 0) == (64, 32)          # sizes unknown: items only
     assert sized_window(64, 32 * MIB, 100) == (64, 32)        # small values: unchanged
-    assert sized_window(64, 32 * MIB, 256 * 1024) == (64, 16)  # 4 MiB requests
-    assert sized_window(64, 32 * MIB, MIB) == (32, 4)
+    assert sized_window(64, 32 * MIB, 256 * 1024) == (64, 8)  # 2 MiB requests
+    assert sized_window(64, 32 * MIB, MIB) == (32, 2)
     assert sized_window(64, 32 * MIB, 4 * MIB) == (8, 1)
     assert sized_window(64, 32 * MIB, 50 * MIB) == (1, 1)     # one huge value: still read
     assert sized_window(0, 32 * MIB, MIB) == (0, 0)           # prefetch=0 stays off
@@ -349,7 +350,7 @@ def _scan(p: Prefetcher, source: ScriptedSource, n: int) -> tuple[list[Any], int
 
 
 @pytest.mark.parametrize(("value_bytes", "window", "batch"),
-                         [(100, 64, 32), (MIB, 32, 4), (4 * MIB, 8, 1), (50 * MIB, 1, 1)])
+                         [(100, 64, 32), (MIB, 32, 2), (4 * MIB, 8, 1), (50 * MIB, 1, 1)])
 def test_large_values_shrink_requests_and_window(value_bytes: int, window: int,
                                                  batch: int) -> None:
     p, source = make(full_store(200), prefetch=64, length=200, value_bytes=value_bytes)

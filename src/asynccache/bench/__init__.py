@@ -13,16 +13,17 @@ one CLI run); without it they start their own private servers.
 Modules: ``goals`` (the goals of large values and scale-out, one ratio each: large
 values against per-key GET and the loopback limit, small values against the MGET loop,
 memcached against aiomcache and emcache, a 3-node cluster against one node, cold and
-warm DataLoader epochs against no cache), ``core`` (``AsyncKVCache.get_many`` against a hand-written ``redis.asyncio``
-MGET loop, layer by layer), ``datapipe`` (the pipe's read paths against the same floor,
-a naive client and a dict), ``latency`` (the three read paths by value size, batch size
-and prefetch depth on Redis, Valkey and memcached, with six peers in the same run),
-``network`` (the same through a loopback proxy that adds round-trip latency) and
-``dataloader`` (DataLoader memory, sharing and epoch time; written separately) and
-``workers`` (warm shuffled epochs with 2 and 4 workers, with and without read-ahead that
-follows the sampler, at loopback and +1 ms; the node against the pipe and a plain Mapper)
-and ``local`` (one machine, no network: LMDB against Redis on a unix socket, warm, through
-a DataLoader with 2 workers and ``dp[i]`` in process, at 4 KiB and 256 KiB).
+warm DataLoader epochs against no cache), ``core`` (``AsyncKVCache.get_many`` against a
+hand-written ``redis.asyncio`` MGET loop, layer by layer), ``datapipe`` (the pipe's read
+paths against the same floor, a naive client and a dict), ``latency`` (the three read
+paths by value size, batch size and prefetch depth on Redis, Valkey and memcached, with
+six peers in the same run), ``network`` (the same through a loopback proxy that adds
+round-trip latency) and ``dataloader`` (DataLoader memory, sharing and epoch time;
+written separately) and ``workers`` (warm shuffled epochs with 2 and 4 workers, with and
+without read-ahead that follows the sampler, at loopback and +1 ms; the node against the
+pipe and a plain Mapper) and ``local`` (one machine, no network: LMDB against Redis on a
+unix socket, warm, through a DataLoader with 2 workers and ``dp[i]`` in process, at 4
+KiB and 256 KiB).
 
 Method, everywhere: values are written once, then read warm. Every case gets warm-up
 runs, then the cases of one comparison are timed round-robin (A B C A B C ...) so that

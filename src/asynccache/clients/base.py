@@ -127,8 +127,8 @@ class BlockingGetConnection(Protocol):
     def send_get(self, keys: Sequence[bytes]) -> None:
         """Queue one multi-get; raises StoreError (the connection is then closed)."""
 
-    def poll(self) -> list[list[Any]]:
-        """Every reply that has fully arrived, without blocking."""
+    def poll(self, limit: int | None = None) -> list[list[Any]]:
+        """Every reply that has fully arrived (at most ``limit``), without blocking."""
 
     def receive(self) -> list[Any]:
         """The next reply, waiting at most until the oldest request's deadline."""

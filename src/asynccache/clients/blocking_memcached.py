@@ -186,18 +186,20 @@ class BlockingMemcachedConnection:
             "raise `timeout=` in connect() if the store is just slow")
 
     # -- replies ------------------------------------------------------------------------
-    def poll(self) -> list[list[bytes | None]]:
-        """Every multi-get reply that has fully arrived, without blocking."""
+    def poll(self, limit: int | None = None) -> list[list[bytes | None]]:
+        """Every multi-get reply that has fully arrived (at most ``limit``), without
+        blocking."""
         if not self.pending:
             return []
         out = []
         try:
             self._recv_available()
-            while self.pending and (values := self._parse()) is not None:
+            while (self.pending and (limit is None or len(out) < limit)
+                   and (values := self._parse()) is not None):
                 out.append(self._accept(values))
         except _Closed as exc:
             self._retry_or_fail(exc)
-            return out + self.poll()
+            return out + self.poll(None if limit is None else limit - len(out))
         except BaseException:
             self._fail()
             raise
