@@ -42,13 +42,43 @@ from typing import Any
 
 from ..errors import StoreError, StoreTimeout, StoreUnavailable
 from ..protocol.resp import check_mget_reply, new_parser, pack_mget, setup_refused
+from ..protocol.resp_bulk import BIG_VALUE, BulkReader
 from .endpoint import RedisEndpoint, closed_hint, readable_while_idle, wait_ready
 
 __all__ = ["BlockingRespConnection"]
 
 _RECV_SIZE = 1 << 18
+#: the largest value a reply may claim (Redis' own proto-max-bulk-len default)
+_MAX_VALUE = 512 << 20
+#: weight of the newest reply in the value-size estimate that picks the parser
+_ALPHA = 0.5
 _POLLIN = select.POLLIN | select.POLLERR | select.POLLHUP
 _POLLOUT = select.POLLOUT | select.POLLERR | select.POLLHUP
+
+
+def _value_buffer(size: int) -> bytearray | memoryview:
+    """Memory for one large value, not zeroed first (the socket overwrites all of it):
+    ``numpy.empty`` when numpy is installed (``bytearray(n)`` writes n zeros, a pass
+    over memory as long as the copy from the kernel), else a bytearray."""
+    np = _numpy()
+    if np is None:
+        return bytearray(size)
+    return memoryview(np.empty(size, dtype=np.uint8))
+
+
+def _numpy() -> Any:
+    global _NP
+    if _NP is False:
+        try:
+            import numpy
+        except ImportError:
+            _NP = None
+        else:
+            _NP = numpy
+    return _NP
+
+
+_NP: Any = False
 
 
 class _Closed(Exception):
@@ -62,9 +92,15 @@ class BlockingRespConnection:
         self.endpoint = endpoint
         self.node = node if node is not None else endpoint.where
         self.sock: socket.socket | None = None
-        self.parser = new_parser()
+        #: large values (an estimate of the replies' first values >= BIG_VALUE) are read
+        #: by a BulkReader, each into its own buffer; small ones by hiredis
+        self.big = False
+        self.value_bytes = 0.0
+        self.parser: Any = new_parser()
         #: requests sent and not answered yet: (deadline, packed request), oldest first
         self.pending: collections.deque[tuple[float, bytes]] = collections.deque()
+        #: replies received when the parser was switched, not handed out yet (oldest first)
+        self.stash: collections.deque[list[Any]] = collections.deque()
         #: the pending requests were sent on a connection that had been idle and no reply
         #: came yet: a close now is the server's idle timeout, worth one silent retry
         self._may_retry = False
@@ -83,6 +119,26 @@ class BlockingRespConnection:
         except BaseException:
             self.close()
             raise
+        if self.big:  # setup replies are hiredis' (they are not MGET replies)
+            self.parser = self._new_parser()
+
+    def _new_parser(self) -> Any:
+        return (BulkReader(max_value=_MAX_VALUE, alloc=_value_buffer) if self.big
+                else new_parser())
+
+    def _switch_parser(self) -> None:
+        """Change parsers at a reply boundary: receive what is pending first (into
+        ``stash``, handed out in order by poll/receive), so that no reply is split
+        between the two. Happens when the value sizes cross the threshold: about once
+        per connection."""
+        while self.pending:
+            self.stash.append(self._next_reply())
+        leftover = (self.parser.has_data() if not self.big else not self.parser.idle)
+        self.big = not self.big
+        if leftover:  # bytes nobody asked for: the stream cannot be trusted
+            self._fail()
+            raise StoreError(f"redis {self.endpoint.where} sent bytes no request asked for")
+        self.parser = self._new_parser()
 
     def close(self) -> None:
         if self.sock is not None:
@@ -98,6 +154,8 @@ class BlockingRespConnection:
     def send_get(self, keys: Sequence[bytes]) -> None:
         """Queue one MGET; its reply comes back, in order, from :meth:`poll`/:meth:`receive`."""
         packed = pack_mget(keys)
+        if self.big != (self.value_bytes >= (BIG_VALUE // 4 if self.big else BIG_VALUE)):
+            self._switch_parser()
         if self.sock is not None and not self.pending and readable_while_idle(self.sock):
             self.close()  # the server closed it while idle: replace it quietly
         if self.sock is None:
@@ -150,10 +208,14 @@ class BlockingRespConnection:
         consumer waiting for the oldest request does not pay for receiving (and the
         caller for decoding) a whole window of read-ahead at once.
         """
-        if not self.pending:
-            return []
-        want = len(self.pending) if limit is None else min(limit, len(self.pending))
         out: list[list[Any]] = []
+        stash = self.stash
+        while stash and (limit is None or len(out) < limit):
+            out.append(stash.popleft())
+        if not self.pending:
+            return out
+        want = len(out) + (len(self.pending) if limit is None
+                           else min(limit - len(out), len(self.pending)))
         try:
             while len(out) < want:
                 reply = self._parse()
@@ -176,6 +238,11 @@ class BlockingRespConnection:
 
     def receive(self) -> list[Any]:
         """The next MGET reply, waiting at most until the oldest request's deadline."""
+        if self.stash:
+            return self.stash.popleft()
+        return self._next_reply()
+
+    def _next_reply(self) -> list[Any]:
         if not self.pending:
             raise StoreError("receive() with no request pending (asynccache bug)")
         try:
@@ -192,7 +259,7 @@ class BlockingRespConnection:
                 events = self._recv_available()
         except _Closed as exc:
             self._retry_or_fail(exc)
-            return self.receive()
+            return self._next_reply()
         except BaseException:
             self._fail()
             raise
@@ -225,6 +292,8 @@ class BlockingRespConnection:
         if sock is None:
             raise _Closed("connection is closed")
         tls = isinstance(sock, ssl.SSLSocket)
+        if type(parser) is BulkReader:
+            return self._recv_into(sock, parser, tls)
         fed = 0
         while True:
             try:
@@ -244,6 +313,29 @@ class BlockingRespConnection:
             if fed >= _RECV_SIZE:
                 return 0
 
+    def _recv_into(self, sock: socket.socket, reader: BulkReader, tls: bool) -> int:
+        """:meth:`_recv_available` for the BulkReader: the kernel copies straight into
+        the reader's buffer, or into a large value's own."""
+        fed = 0
+        while True:
+            view = reader.buffer()
+            try:
+                n = sock.recv_into(view)
+            except (BlockingIOError, ssl.SSLWantReadError):
+                return _POLLIN
+            except ssl.SSLWantWriteError:
+                return _POLLOUT
+            except OSError as exc:
+                raise _Closed(str(exc)) from exc
+            if not n:
+                raise _Closed("closed by the server")
+            reader.received(n)
+            if n < len(view) and not tls:
+                return _POLLIN
+            fed += n
+            if fed >= _RECV_SIZE:
+                return 0
+
     def _parse(self) -> Any:
         try:
             return self.parser.gets()
@@ -254,7 +346,10 @@ class BlockingRespConnection:
     def _accept(self, reply: Any) -> list[Any]:
         self.pending.popleft()
         self._may_retry = False
-        return check_mget_reply(reply, self.endpoint.where)
+        values = check_mget_reply(reply, self.endpoint.where)
+        if values and (first := values[0]) is not None:  # one look per reply: cheap
+            self.value_bytes += _ALPHA * (len(first) - self.value_bytes)
+        return values
 
     def _retry_or_fail(self, exc: _Closed) -> None:
         """Resend what is pending on a fresh connection, once, when the close looks like
@@ -278,6 +373,7 @@ class BlockingRespConnection:
     def _fail(self) -> None:
         """Forget what was in flight and close: a broken stream is never reused."""
         self.pending.clear()
+        self.stash.clear()
         self._may_retry = False
         self.close()
 
