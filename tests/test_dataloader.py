@@ -87,6 +87,34 @@ def test_epoch_two_computes_nothing(redis_server: servers.RedisServer, namespace
         dp.close()
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+def test_epoch_two_computes_nothing_when_writes_trail_by_a_batch(
+    redis_server: servers.RedisServer, namespace: str, tmp_path: Path, persistent: bool
+) -> None:
+    """Following the sampler, a worker's batch returns before its writes are in (they
+    are in before its next batch returns, and its last batch of the epoch waits for
+    its own): epoch 2 still computes nothing, persistent workers or not."""
+    n = 300
+    log = tmp_path / "computed.log"
+    client = ac.connect(redis_server.url, timeout=10)
+    dp = ac.AsyncKVCacheMapDataPipe(FileCountedSource(n, log), client,
+                                    prefetch=32, namespace=namespace)
+    try:
+        loader = DataLoader(dp, batch_size=16, shuffle=True, num_workers=2,
+                            multiprocessing_context="fork", persistent_workers=persistent,
+                            collate_fn=list_collate)
+        dp.set_order(loader.batch_sampler)
+        seen, _ = run_epoch(dp, 2, "fork", persistent, loader)
+        assert sorted(seen) == list(range(n))
+        first = computed(log)
+        assert sorted(first) == list(range(n))
+        seen2, _ = run_epoch(dp, 2, "fork", persistent, loader)
+        assert sorted(seen2) == list(range(n))
+        assert computed(log) == first, "epoch 2 recomputed items that epoch 1 cached"
+    finally:
+        dp.close()
+
+
 def check_two_epochs(dp: ac.AsyncKVCacheMapDataPipe, log: Path, n: int, workers: int,
                      method: str | None, persistent: bool) -> None:
     expected = list(range(n))

@@ -449,15 +449,22 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
                 p.set_plan(self._process_plan(rt.drawn, rt), p.replan)
         values = p.take_many(indices)
         missing = [i for i, v in zip(indices, values) if v is MISSING]
+        # A batch's writes are in the store before the next batch is returned; the last
+        # batch of a known plan (this worker's share of the sampler's epoch, or the rest
+        # of the dataset) waits for its own, and so does a batch without a plan.
+        visible = "next" if p.plan_len and p.pos < p.plan_len else "now"
         if missing:
-            computed = self._compute(missing, rt, wait=True)
+            computed = self._compute(missing, rt, visible=visible)
             values = [computed[i] if v is MISSING else v for i, v in zip(indices, values)]
+        else:
+            rt.settle()
         return values
 
-    def _compute(self, indices: list[Any], rt: _Runtime, wait: bool = False) -> dict[Any, Any]:
+    def _compute(self, indices: list[Any], rt: _Runtime,
+                 visible: str = "queued") -> dict[Any, Any]:
         """Compute misses in this thread and write them back (see CacheRuntime.compute)."""
         wanted = {self.key_for(i): i for i in dict.fromkeys(indices)}
-        computed = rt.compute(wanted, self.source.__getitem__, wait=wait)
+        computed = rt.compute(wanted, self.source.__getitem__, visible=visible)
         return {wanted[key]: value for key, value in computed.items()}
 
     def __iter__(self) -> Iterator[Any]:

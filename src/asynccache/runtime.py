@@ -122,6 +122,8 @@ class CacheRuntime:
         self.lock = threading.Lock()
         self.writes: dict[bytes, bytes] = {}
         self.write_scheduled = False
+        #: a batch's writes were queued with visible="next" and not waited for yet
+        self.unsettled = False
         self.loop.call_soon(client.retain)
         #: every copy publishes its counters every second: those in DataLoader workers for
         #: the owner's stats(), the owner's own for a process outside the job (``asynccache
@@ -172,25 +174,44 @@ class CacheRuntime:
 
     # -- misses ------------------------------------------------------------------------
     def compute(self, wanted: Mapping[bytes, Any], fn: Callable[[Any], Any], *,
-                wait: bool) -> dict[bytes, Any]:
+                visible: str = "queued") -> dict[bytes, Any]:
         """Values for store keys that missed (``{store key: item}``), ``fn(item)`` each,
-        computed in the calling thread and written back.
+        computed in the calling thread and written back (queued: write-behind).
 
-        With ``wait`` (a whole batch, as a DataLoader asks for it) the call returns once
-        the writes are acknowledged (about one round trip per batch): a worker that
-        hands back a batch has made it visible to every other worker, which is what
-        makes epoch 2 compute nothing even with persistent workers. Otherwise the
-        writes are queued (write-behind; ``flush()`` waits). Under ``lease`` each key
-        is computed by one process (see :class:`~asynccache.core.AsyncKVCache`).
+        ``visible`` says when the writes must be in the store:
+
+        * ``"queued"`` -- whenever the writer gets to them (``flush()`` waits);
+        * ``"now"`` -- before this call returns (about one round trip);
+        * ``"next"`` -- before the *next* batch returns (see :meth:`settle`): a batch's
+          writes go out while the worker computes the next one, instead of the worker
+          waiting for them. The batch that ends a worker's planned epoch uses ``"now"``,
+          so that every value written in epoch 1 is there for every worker in epoch 2,
+          persistent or not.
+
+        Under ``lease`` each key is computed by one process and written at once (see
+        :class:`~asynccache.core.AsyncKVCache`).
         """
         if self.lease is not None:
             return self._compute_once(wanted, fn)
         computed = {key: fn(item) for key, item in wanted.items()}
         self.cache.counters.add("computed", len(computed))
-        self.queue_writes(self.cache.encode_entries(computed))
-        if wait:
-            self.flush(timeout=max(self.client.timeout * 2, 1.0))
+        entries = self.cache.encode_entries(computed)
+        if visible == "next":
+            self.settle()  # the previous batch's writes: long done by now, normally
+            self.queue_writes(entries)
+            self.unsettled = True
+            return computed
+        self.queue_writes(entries)
+        if visible == "now":
+            self.settle(force=True)
         return computed
+
+    def settle(self, force: bool = False) -> None:
+        """Wait for the writes of batches written with ``visible="next"`` (``force``:
+        for everything queued); bounded, never raises."""
+        if force or self.unsettled:
+            self.unsettled = False
+            self.flush(timeout=max(self.client.timeout * 2, 1.0))
 
     def _compute_once(self, wanted: Mapping[bytes, Any],
                       fn: Callable[[Any], Any]) -> dict[bytes, Any]:
