@@ -1,0 +1,208 @@
+"""Consumer-side reads on a Redis Cluster: pipelined ``GET`` s on one blocking socket per
+primary, driven by the consumer thread itself (see :mod:`asynccache.clients.blocking` for
+why read-ahead runs there, and for deadlines, idle connections and TLS, all inherited).
+
+A read-ahead request to a node is one ``GET`` per key, written back to back: a batch's
+keys sit in as many slots as there are keys, and a multi-key ``MGET`` must stay within
+one slot. The node's replies are gathered into one list per request (the same
+:class:`~asynccache.clients.blocking.BlockingRespConnection` reader, hiredis), so the
+prefetcher sees one reply per node and per request, as from a single server.
+
+What the consumer never gets is a wrong value: a ``GET`` answered with ``MOVED``/``ASK``
+(the slot moved, or is moving), ``CLUSTERDOWN`` or another error fails the request like
+a broken connection does. The connection is closed and every request on its wire is not
+read (the prefetcher drops those keys and reads them again, directly, when the consumer
+asks for them; the failure is counted by the failure policy, and backs the node off
+only when the node cannot serve: ``CLUSTERDOWN``, a timeout, a refused connection). The
+``trouble`` callback tells the cluster client to re-read its slot map on the loop
+thread; the consumer's routing picks the new map up at its next request.
+
+Replies of earlier requests already parsed in the same :meth:`poll` are handed back
+first: the failure is raised by the next call, so only requests still on the wire are
+lost.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import hiredis
+
+from ..errors import StoreError, StoreTimeout, StoreUnavailable
+from ..protocol.resp import cluster_node_error, pack_gets
+from .blocking import BlockingRespConnection
+from .endpoint import RedisEndpoint, readable_while_idle
+
+__all__ = ["BlockingClusterConnection", "Trouble", "UnservedKeys"]
+
+#: ``trouble(node, redirected)``: the node answered a redirection (True) or could not be
+#: reached or could not serve (False); the slot map may be stale. Called on the consumer
+#: thread; it must not block.
+Trouble = Callable[[str, bool], None]
+
+_ReplyError = hiredis.ReplyError
+
+
+class BlockingClusterConnection(BlockingRespConnection):
+    """One cluster node's socket: each request is a ``GET`` per key, answered as one list.
+
+    ``endpoint`` may be None for a connection not assigned to a node yet (the routing
+    keeps a few spare ones for nodes that join the map later): it is never sent to
+    until :meth:`retarget` gives it one.
+    """
+
+    def __init__(self, endpoint: RedisEndpoint | None, node: str, trouble: Trouble) -> None:
+        super().__init__(endpoint, node)  # type: ignore[arg-type]
+        self.trouble = trouble
+        #: keys (replies) of each pending request, oldest first (as ``pending``)
+        self.counts: collections.deque[int] = collections.deque()
+        self._got: list[Any] = []      # replies of the oldest request gathered so far
+        self._raw = False              # parsing setup replies (AUTH), one at a time
+        self._polling = False
+        self._returned = 0             # replies handed back by the current poll()
+        self._deferred: StoreError | None = None  # raised by the next call
+
+    def retarget(self, endpoint: RedisEndpoint, node: str) -> None:
+        """Serve another node from now on (only while nothing is pending)."""
+        self._fail()
+        self.endpoint, self.node = endpoint, node
+
+    # -- requests -----------------------------------------------------------------------
+    def send_get(self, keys: Sequence[bytes]) -> None:
+        if self._deferred is not None:
+            raise self._take_deferred()
+        packed = pack_gets(keys)
+        try:
+            if self.sock is not None and not self.pending and readable_while_idle(self.sock):
+                self.close()  # the server closed it while idle: replace it quietly
+            if self.sock is None:
+                self._connect()
+            if not self.pending:
+                self._may_retry = True
+            deadline = time.monotonic() + self.endpoint.timeout
+            self.pending.append((deadline, packed))
+            self.counts.append(len(keys))
+            try:
+                self._write(packed, deadline)
+            except BaseException:
+                self._fail()
+                raise
+        except (StoreUnavailable, StoreTimeout):
+            self.trouble(self.node, False)
+            raise
+
+    def _connect(self) -> None:
+        self._raw, self._got = True, []  # a fresh parser: the gathered replies are void
+        try:
+            super()._connect()
+        finally:
+            self._raw = False
+
+    # -- replies ------------------------------------------------------------------------
+    def poll(self) -> list[list[Any]]:
+        if self._deferred is not None:
+            raise self._take_deferred()
+        self._polling, self._returned = True, 0
+        try:
+            return super().poll()
+        except (StoreUnavailable, StoreTimeout):
+            self.trouble(self.node, False)
+            raise
+        finally:
+            self._polling = False
+
+    def receive(self) -> list[Any]:
+        if self._deferred is not None:
+            raise self._take_deferred()
+        try:
+            return super().receive()
+        except (StoreUnavailable, StoreTimeout):
+            self.trouble(self.node, False)
+            raise
+
+    def _parse(self) -> Any:
+        """The oldest request's replies as one list once all have arrived, else False;
+        raises (or, inside a poll that already parsed a reply, defers) the failure a
+        reply that is not a value means."""
+        counts = self.counts
+        if self._raw or not counts:
+            return super()._parse()
+        need, got, gets = counts[0], self._got, self.parser.gets
+        try:
+            while len(got) < need:
+                reply = gets()
+                if reply is False:
+                    return False
+                got.append(reply)
+        except Exception as exc:  # hiredis.ProtocolError
+            raise StoreError(f"redis {self.endpoint.where} sent an unexpected reply: "
+                             f"{exc}") from exc
+        self._got = []
+        if _ReplyError in map(type, got):
+            error = self._failure(got)
+            if self._polling and self._returned:
+                self._deferred = error
+                return False
+            raise error
+        if self._polling:
+            self._returned += 1
+        return got
+
+    def _accept(self, reply: Any) -> list[Any]:
+        self.counts.popleft()
+        return super()._accept(reply)
+
+    def _failure(self, replies: list[Any]) -> StoreError:
+        reply = next(r for r in replies if type(r) is _ReplyError)
+        text, node = str(reply), self.node
+        if text.startswith(("MOVED ", "ASK ")):
+            self.trouble(node, True)
+            return StoreError(
+                f"redis cluster node {node} redirected a key ({text}): the slot map is "
+                "being re-read; the keys of that request were not read (they are read "
+                "again, from the new owner, when asked for)")
+        error = cluster_node_error(text, node)
+        if error is None:
+            return StoreError(f"redis cluster node {node} answered GET with an error: {text}")
+        if isinstance(error, StoreUnavailable):
+            self.trouble(node, False)
+        return error
+
+    def _take_deferred(self) -> StoreError:
+        error, self._deferred = self._deferred, None
+        self._fail()
+        assert error is not None
+        return error
+
+    def _fail(self) -> None:
+        super()._fail()
+        self.counts.clear()
+        self._got = []
+
+
+class UnservedKeys:
+    """Where the routing sends keys of a slot no node serves (or served by a node this
+    consumer has no connection for): each request fails at once with ``StoreUnavailable``
+    under its own name, so only those keys back off, and the map is re-read."""
+
+    def __init__(self, node: str, trouble: Trouble) -> None:
+        self.node = node
+        self.trouble = trouble
+        self.pending: tuple[()] = ()
+
+    def send_get(self, keys: Sequence[bytes]) -> None:
+        self.trouble(self.node, False)
+        raise StoreUnavailable(f"{len(keys)} keys are in slots that no node of the slot map "
+                               f"serves ({self.node}); the map is being re-read")
+
+    def poll(self) -> list[list[Any]]:
+        return []
+
+    def receive(self) -> list[Any]:
+        raise StoreError("receive() with no request pending (asynccache bug)")
+
+    def close(self) -> None:
+        return None
