@@ -43,6 +43,11 @@ __all__ = ["BlockingClusterConnection", "Trouble", "UnservedKeys"]
 #: thread; it must not block.
 Trouble = Callable[[str, bool], None]
 
+#: A connection that answered less than this many seconds ago is not checked for an idle
+#: close before a send (a ``poll()`` per send, per node): servers close idle connections
+#: after whole seconds, and a close missed anyway is met by the one silent resend.
+IDLE_CHECK_AFTER = 0.5
+
 _ReplyError = hiredis.ReplyError
 
 
@@ -64,6 +69,7 @@ class BlockingClusterConnection(BlockingRespConnection):
         self._polling = False
         self._returned = 0             # replies handed back by the current poll()
         self._deferred: StoreError | None = None  # raised by the next call
+        self._active = 0.0  # time.monotonic() of the last reply
 
     def retarget(self, endpoint: RedisEndpoint, node: str) -> None:
         """Serve another node from now on (only while nothing is pending)."""
@@ -75,14 +81,17 @@ class BlockingClusterConnection(BlockingRespConnection):
         if self._deferred is not None:
             raise self._take_deferred()
         packed = pack_gets(keys)
+        now = time.monotonic()
         try:
-            if self.sock is not None and not self.pending and readable_while_idle(self.sock):
+            if (self.sock is not None and not self.pending
+                    and now - self._active > IDLE_CHECK_AFTER
+                    and readable_while_idle(self.sock)):
                 self.close()  # the server closed it while idle: replace it quietly
             if self.sock is None:
                 self._connect()
             if not self.pending:
                 self._may_retry = True
-            deadline = time.monotonic() + self.endpoint.timeout
+            deadline = now + self.endpoint.timeout
             self.pending.append((deadline, packed))
             self.counts.append(len(keys))
             try:
@@ -153,6 +162,7 @@ class BlockingClusterConnection(BlockingRespConnection):
 
     def _accept(self, reply: Any) -> list[Any]:
         self.counts.popleft()
+        self._active = time.monotonic()
         return super()._accept(reply)
 
     def _failure(self, replies: list[Any]) -> StoreError:

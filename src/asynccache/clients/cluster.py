@@ -93,9 +93,11 @@ _ReplyError = hiredis.ReplyError
 
 def key_slots(keys: Sequence[bytes]) -> list[int]:
     """Each key's hash slot: redis-py's ``key_slot`` (the server's CRC16, of the ``{tag}``
-    when there is one), with the common tag-free case inlined (``binascii.crc_hqx`` is
+    when there is one), with the common tag-free batch inlined (``binascii.crc_hqx`` is
     the C CRC16 that ``key_slot`` itself calls)."""
-    return [key_slot(k) if b"{" in k else crc_hqx(k, 0) & _SLOT_MASK for k in keys]
+    if b"{" in b"".join(keys):
+        return [key_slot(k) for k in keys]
+    return [crc_hqx(k, 0) & _SLOT_MASK for k in keys]
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,8 +315,8 @@ class _Read(_Call):
         slots = key_slots(keys)
         owners = self.state.view.owners
         groups: dict[str | None, list[int]] = {}
-        for position, slot in enumerate(slots):
-            node = owners[slot]
+        distinct = len(set(slots)) == len(slots)  # no slot with two keys (most batches)
+        for position, node in enumerate([owners[slot] for slot in slots]):
             group = groups.get(node)
             if group is None:
                 groups[node] = [position]
@@ -335,7 +337,7 @@ class _Read(_Call):
                 continue
             host, port = primaries[node]  # type: ignore[index]
             exchanges.append(self._read_node(_Target(node, host, port), keys, slots,  # type: ignore[arg-type]
-                                             positions, redirects))
+                                             positions, distinct, redirects))
         if len(exchanges) == 1:
             await exchanges[0]
         elif exchanges:
@@ -346,14 +348,14 @@ class _Read(_Call):
             self.client._refresh_soon(self.state)
 
     async def _read_node(self, target: _Target, keys: Sequence[bytes], slots: list[int],
-                         positions: list[int], redirects: list[tuple[_Command, _Target]]
-                         ) -> None:
+                         positions: list[int], distinct: bool,
+                         redirects: list[tuple[_Command, _Target]]) -> None:
         node = target.node
-        node_slots = [slots[p] for p in positions]
         commands: list[_Command] | None = None
-        if len(set(node_slots)) == len(positions):  # the common case: a GET per key
+        if distinct:  # the common case: a GET per key
             data, n = pack_gets([keys[p] for p in positions]), len(positions)
         else:
+            node_slots = [slots[p] for p in positions]
             commands = []
             by_slot: dict[int, list[int]] = {}
             for slot, position in zip(node_slots, positions):
@@ -381,7 +383,7 @@ class _Read(_Call):
                 for position, value in zip(positions, replies):
                     values[position] = value
                 return
-            commands = [_Command(slot, [p], []) for slot, p in zip(node_slots, positions)]
+            commands = [_Command(slots[p], [p], []) for p in positions]
         for command, reply in zip(commands, replies):
             if len(command.positions) == 1 and type(reply) is not list:  # a GET's reply
                 if type(reply) is not _ReplyError:
@@ -827,8 +829,7 @@ class _ConsumerRoutes:
             self._follow(view)
         owner_of = self.owner_of
         groups: dict[int, list[int]] = {}
-        for position, slot in enumerate(key_slots(keys)):
-            ci = owner_of[slot]
+        for position, ci in enumerate([owner_of[slot] for slot in key_slots(keys)]):
             group = groups.get(ci)
             if group is None:
                 groups[ci] = [position]

@@ -70,16 +70,24 @@ class _Protocol(asyncio.Protocol):
         waiters = self.waiters
         gets = self.reader.gets
         try:
-            while (reply := gets()) is not False:
-                self.replies += 1
-                waiter = waiters[0]  # IndexError: a reply nobody asked for
+            while waiters:
+                waiter = waiters[0]
                 got = waiter.replies
-                got.append(reply)
-                if len(got) == waiter.n:
-                    waiters.popleft()
-                    fut = waiter.future
-                    if not fut.done():
-                        fut.set_result(got)
+                before = len(got)
+                for _ in range(waiter.n - before):
+                    reply = gets()
+                    if reply is False:
+                        break
+                    got.append(reply)
+                self.replies += len(got) - before
+                if len(got) < waiter.n:
+                    return  # the rest is still on the wire
+                waiters.popleft()
+                fut = waiter.future
+                if not fut.done():
+                    fut.set_result(got)
+            if gets() is not False:
+                raise StoreError("a reply nobody asked for")
         except Exception as exc:  # hiredis.ProtocolError, or a reply nobody asked for
             self.fail(StoreError(f"redis {self.where} sent an unexpected reply: {exc!r}"))
 

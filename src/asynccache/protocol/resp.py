@@ -47,6 +47,9 @@ def pack_mget(keys: Sequence[bytes]) -> bytes:
 
 def pack_gets(keys: Sequence[bytes]) -> bytes:
     """One ``GET`` per key, back to back: one reply per key, in order."""
+    if len(set(map(len, keys))) == 1:  # keys of one length (most batches): one join
+        head = b"*2\r\n$3\r\nGET\r\n$%d\r\n" % len(keys[0])
+        return b"".join((head, (b"\r\n" + head).join(keys), b"\r\n"))
     return b"".join([b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k) for k in keys])
 
 
