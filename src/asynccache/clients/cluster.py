@@ -328,55 +328,72 @@ class _Read(_Call):
             self.fail(url, StoreUnavailable(
                 f"slot {slots[unserved[0]]} of redis cluster {url} is served by no node"),
                 len(unserved))
+        # every node's request is written first, then the replies are awaited in turn:
+        # the nodes work concurrently without a Task per node
         redirects: list[tuple[_Command, _Target]] = []
-        exchanges = []
         primaries = self.state.view.primaries
+        sent: list[tuple[_Target, list[int], list[_Command] | None, RespConnection, Any]] = []
         for node, positions in groups.items():
             if node in self.skip:
                 self.skipped += len(positions)
                 continue
             host, port = primaries[node]  # type: ignore[index]
-            exchanges.append(self._read_node(_Target(node, host, port), keys, slots,  # type: ignore[arg-type]
-                                             positions, distinct, redirects))
-        if len(exchanges) == 1:
-            await exchanges[0]
-        elif exchanges:
-            await asyncio.gather(*exchanges)
+            target = _Target(node, host, port)  # type: ignore[arg-type]
+            try:
+                commands, data, n = self._pack(keys, slots, positions, distinct)
+                conn = self.client._connection(self.state, target)
+                exchange: Any = conn.send_now((data,), n)
+                if exchange is None:  # not connected yet: connect (and send) in a Task
+                    exchange = asyncio.ensure_future(conn.execute_packed((data,), n))
+            except Exception as exc:  # a bug below us costs this node's keys
+                self.fail(node, _unexpected(node, exc), len(positions))
+                continue
+            sent.append((target, positions, commands, conn, exchange))
+        try:
+            while sent:
+                target, positions, commands, conn, exchange = sent.pop(0)
+                node = target.node
+                try:
+                    if isinstance(exchange, asyncio.Future):
+                        replies = await exchange
+                    else:
+                        replies = await conn.result(exchange)
+                    self.replied[node] = None
+                    self._scatter(target, keys, slots, positions, commands, replies, redirects)
+                except StoreError as exc:
+                    self.fail(node, exc, len(positions))
+                except Exception as exc:
+                    self.fail(node, _unexpected(node, exc), len(positions))
+        finally:
+            for *_, exchange in sent:  # cancelled: nobody waits for these replies any more
+                exchange.cancel()
         if redirects:
             await self._follow(redirects)
         if self.refresh_soon:
             self.client._refresh_soon(self.state)
 
-    async def _read_node(self, target: _Target, keys: Sequence[bytes], slots: list[int],
-                         positions: list[int], distinct: bool,
-                         redirects: list[tuple[_Command, _Target]]) -> None:
-        node = target.node
-        commands: list[_Command] | None = None
-        if distinct:  # the common case: a GET per key
-            data, n = pack_gets([keys[p] for p in positions]), len(positions)
-        else:
-            node_slots = [slots[p] for p in positions]
-            commands = []
-            by_slot: dict[int, list[int]] = {}
-            for slot, position in zip(node_slots, positions):
-                by_slot.setdefault(slot, []).append(position)
-            for slot, at in by_slot.items():
-                if len(at) == 1:
-                    commands.append(_Command(slot, at, [pack_gets((keys[at[0]],))]))
-                else:
-                    commands += [_Command(slot, chunk, [pack_mget([keys[p] for p in chunk])])
-                                 for chunk in chunked(at, self.client.max_batch)]
-            data, n = b"".join([c.request[0] for c in commands]), len(commands)  # type: ignore[misc]
-        conn = self.client._connection(self.state, target)
-        try:
-            replies = await conn.execute_packed((data,), n)
-        except StoreError as exc:
-            self.fail(node, exc, len(positions))
-            return
-        except Exception as exc:
-            self.fail(node, _unexpected(node, exc), len(positions))
-            return
-        self.replied[node] = None
+    def _pack(self, keys: Sequence[bytes], slots: list[int], positions: list[int],
+              distinct: bool) -> tuple[list[_Command] | None, bytes, int]:
+        """One node's request: a GET per key (commands None), or, when a slot holds
+        several of its keys, a GET per lone key and an MGET per such slot."""
+        if distinct:  # the common case
+            return None, pack_gets([keys[p] for p in positions]), len(positions)
+        commands = []
+        by_slot: dict[int, list[int]] = {}
+        for position in positions:
+            by_slot.setdefault(slots[position], []).append(position)
+        for slot, at in by_slot.items():
+            if len(at) == 1:
+                commands.append(_Command(slot, at, [pack_gets((keys[at[0]],))]))
+            else:
+                commands += [_Command(slot, chunk, [pack_mget([keys[p] for p in chunk])])
+                             for chunk in chunked(at, self.client.max_batch)]
+        return commands, b"".join([c.request[0] for c in commands]), len(commands)  # type: ignore[misc]
+
+    def _scatter(self, target: _Target, keys: Sequence[bytes], slots: list[int],
+                 positions: list[int], commands: list[_Command] | None, replies: list[Any],
+                 redirects: list[tuple[_Command, _Target]]) -> None:
+        """A node's replies into the values; error replies to :meth:`handle`."""
         values = self.values
         if commands is None:
             if _ReplyError not in map(type, replies):

@@ -30,6 +30,7 @@ import asyncio
 import collections
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import StoreError, StoreTimeout, StoreUnavailable
@@ -39,7 +40,7 @@ from .endpoint import RedisEndpoint, close_transport, connect_failure
 #: One request: the buffers of one command, written back to back (values not copied).
 Request = Sequence[bytes | memoryview]
 
-__all__ = ["RespConnection"]
+__all__ = ["RespConnection", "Sent"]
 
 
 class _Waiter:
@@ -51,6 +52,24 @@ class _Waiter:
         self.future = future
         self.n = n
         self.replies: list[Any] = []
+
+
+@dataclass(slots=True)
+class Sent:
+    """Commands written by :meth:`RespConnection.send_now`, their replies to come."""
+
+    proto: _Protocol
+    future: asyncio.Future[list[Any]]
+    timer: asyncio.TimerHandle
+    idle: bool  # nothing else was in flight: a close before any reply is worth a resend
+    replies_before: int
+    buffers: Sequence[bytes | memoryview]
+    n: int
+
+    def cancel(self) -> None:
+        """Nobody waits for these replies any more (they are consumed when they come)."""
+        self.future.cancel()
+        self.timer.cancel()
 
 
 class _Protocol(asyncio.Protocol):
@@ -189,15 +208,41 @@ class RespConnection:
         replies in order (as :meth:`execute`; idempotent commands only)."""
         if not n:
             return []
-        proto = await self._connected()
-        idle, replies_before = not proto.waiters, proto.replies
+        sent = self.send_now(buffers, n)
+        if sent is None:
+            proto = await self._connected()
+            sent = self.send_now(buffers, n)
+            if sent is None:  # it failed again meanwhile
+                raise proto.failure or StoreUnavailable(f"redis {self.endpoint.where}: "
+                                                        "the connection closed")
+        return await self.result(sent)
+
+    def send_now(self, buffers: Sequence[bytes | memoryview], n: int) -> Sent | None:
+        """Write ``n`` packed commands now, if the connection is open (None otherwise:
+        use :meth:`execute_packed`); :meth:`result` waits for their replies. Sending to
+        several nodes first and waiting after needs no Task per node."""
+        proto = self._proto
+        if proto is None or proto.failure is not None or not n:
+            return None
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[list[Any]] = loop.create_future()
+        sent = Sent(proto, fut, loop.call_later(self.endpoint.timeout, self._expire, proto),
+                    not proto.waiters, proto.replies, buffers, n)
+        proto.waiters.append(_Waiter(fut, n))
+        proto.transport.writelines(buffers)  # type: ignore[union-attr]
+        return sent
+
+    async def result(self, sent: Sent) -> list[Any]:
+        """The replies of what :meth:`send_now` sent (bounded by the timeout)."""
         try:
-            return await self._send(proto, buffers, n)
+            return await sent.future
         except StoreUnavailable:
-            if not (idle and proto.replies == replies_before):
+            if not (sent.idle and sent.proto.replies == sent.replies_before):
                 raise
             # the server had closed the idle connection: once more on a fresh one
-            return await self._send(await self._connected(), buffers, n)
+            return await self._send(await self._connected(), sent.buffers, sent.n)
+        finally:
+            sent.timer.cancel()
 
     async def mget(self, chunks: Sequence[Sequence[bytes]]) -> list[bytes | None]:
         """Values of every key of every chunk, one pipelined MGET per chunk, in order."""
