@@ -194,19 +194,24 @@ class BlockingClusterConnection(BlockingRespConnection):
 
 
 class UnservedKeys:
-    """Where the routing sends keys of a slot no node serves (or served by a node this
-    consumer has no connection for): each request fails at once with ``StoreUnavailable``
-    under its own name, so only those keys back off, and the map is re-read."""
+    """Where the routing sends keys it has no node for (a slot no node serves, a node
+    this consumer has no connection for, no map read yet): each request fails at once,
+    so only those keys back off, and the map is re-read. ``why()`` gives the name the
+    failure is reported under and the error."""
 
-    def __init__(self, node: str, trouble: Trouble) -> None:
-        self.node = node
+    def __init__(self, why: Callable[[], tuple[str, StoreError]], trouble: Trouble) -> None:
+        self.why = why
         self.trouble = trouble
         self.pending: tuple[()] = ()
 
+    @property
+    def node(self) -> str:
+        return self.why()[0]
+
     def send_get(self, keys: Sequence[bytes]) -> None:
-        self.trouble(self.node, False)
-        raise StoreUnavailable(f"{len(keys)} keys are in slots that no node of the slot map "
-                               f"serves ({self.node}); the map is being re-read")
+        node, error = self.why()
+        self.trouble(node, False)
+        raise error
 
     def poll(self) -> list[list[Any]]:
         return []

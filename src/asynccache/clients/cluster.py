@@ -140,6 +140,7 @@ class _ClusterState:
     nodes: dict[str, RespConnection] = field(default_factory=dict)  # "host:port" -> conn
     ready: bool = False  # the slot map was read once
     view: _SlotView = _NO_VIEW  # the slot map as of the last read
+    map_error: StoreError | None = None  # why the last read of the map failed
     refresh: asyncio.Task[None] | None = None  # background re-read after a failure
     last_refresh: float = float("-inf")  # time.monotonic() of the last re-read started
 
@@ -590,7 +591,15 @@ class RedisClusterClient(BaseClient[_ClusterState]):
 
     async def _load_map(self, state: _ClusterState) -> None:
         """Read the slot map (``CLUSTER SLOTS`` from the first startup node that answers);
-        raises StoreError when none does."""
+        raises StoreError when none does (kept as ``state.map_error`` too)."""
+        try:
+            await self._read_map(state)
+        except StoreError as exc:
+            state.map_error = exc
+            raise
+        state.map_error = None
+
+    async def _read_map(self, state: _ClusterState) -> None:
         budget = self.connect_timeout + self.timeout
         try:
             if state.ready:
@@ -822,8 +831,7 @@ class _ConsumerRoutes:
             BlockingClusterConnection(None, f"(spare {i})", self.trouble)
             for i in range(capacity)]
         self.unserved = capacity
-        self.conns.append(UnservedKeys(f"{client.safe_url} (slots no node serves)",
-                                       self.trouble))
+        self.conns.append(UnservedKeys(self._unserved, self.trouble))
         self.generation = -1
         self.owner_of: list[int] = [self.unserved] * REDIS_CLUSTER_HASH_SLOTS
         self.incomplete = False  # a primary of the map is still without a connection
@@ -834,6 +842,19 @@ class _ConsumerRoutes:
             self.loop.call_soon(self.client._consumer_trouble, redirected)
         except RuntimeError:  # the loop is closed: nothing to refresh for
             pass
+
+    def _unserved(self) -> tuple[str, StoreError]:
+        """The node name and the error for keys routed to no node: before any map was
+        read, the reason it could not be (under the cluster's URL, as the asyncio path
+        reports it); after, the slots no node serves."""
+        state = self.client._states.get(self.loop.loop)
+        url = self.client.safe_url
+        if state is not None and state.view is _NO_VIEW and state.map_error is not None:
+            error = state.map_error
+            return url, type(error)(str(error))
+        return f"{url} (slots no node serves)", StoreUnavailable(
+            f"keys in slots that no node of the slot map of {url} serves (or a node this "
+            "consumer has no connection for); the map is being re-read")
 
     def _view(self) -> _SlotView | None:
         state = self.client._states.get(self.loop.loop)
