@@ -194,30 +194,38 @@ class BlockingClusterConnection(BlockingRespConnection):
 
 
 class UnservedKeys:
-    """Where the routing sends keys it has no node for (a slot no node serves, a node
-    this consumer has no connection for, no map read yet): each request fails at once,
-    so only those keys back off, and the map is re-read. ``why()`` gives the name the
-    failure is reported under and the error."""
+    """Where the routing sends keys it has no connection for: no map was read yet, a
+    slot no node serves, a node that joined when no spare connection was left. Rare, so
+    these go through the asyncio path on the loop thread, which reads (or re-reads) the
+    map as it does for any read, follows redirections and reports what failed: ``read``
+    returns the values, or raises the failure (those keys are then not read).
 
-    def __init__(self, why: Callable[[], tuple[str, StoreError]], trouble: Trouble) -> None:
-        self.why = why
-        self.trouble = trouble
-        self.pending: tuple[()] = ()
+    ``name()`` is the node such failures count under (the failure policy backs it off
+    alone)."""
+
+    def __init__(self, name: Callable[[], str],
+                 read: Callable[[Sequence[bytes]], list[Any]]) -> None:
+        self.name = name
+        self.read = read
+        self.replies: collections.deque[list[Any]] = collections.deque()
+        self.pending: tuple[()] = ()  # nothing on a wire: the read is done in send_get
 
     @property
     def node(self) -> str:
-        return self.why()[0]
+        return self.name()
 
     def send_get(self, keys: Sequence[bytes]) -> None:
-        node, error = self.why()
-        self.trouble(node, False)
-        raise error
+        self.replies.append(self.read(keys))
 
     def poll(self) -> list[list[Any]]:
-        return []
+        out = list(self.replies)
+        self.replies.clear()
+        return out
 
     def receive(self) -> list[Any]:
-        raise StoreError("receive() with no request pending (asynccache bug)")
+        if not self.replies:
+            raise StoreError("receive() with no request pending (asynccache bug)")
+        return self.replies.popleft()
 
     def close(self) -> None:
-        return None
+        self.replies.clear()

@@ -140,7 +140,6 @@ class _ClusterState:
     nodes: dict[str, RespConnection] = field(default_factory=dict)  # "host:port" -> conn
     ready: bool = False  # the slot map was read once
     view: _SlotView = _NO_VIEW  # the slot map as of the last read
-    map_error: StoreError | None = None  # why the last read of the map failed
     refresh: asyncio.Task[None] | None = None  # background re-read after a failure
     last_refresh: float = float("-inf")  # time.monotonic() of the last re-read started
 
@@ -591,15 +590,7 @@ class RedisClusterClient(BaseClient[_ClusterState]):
 
     async def _load_map(self, state: _ClusterState) -> None:
         """Read the slot map (``CLUSTER SLOTS`` from the first startup node that answers);
-        raises StoreError when none does (kept as ``state.map_error`` too)."""
-        try:
-            await self._read_map(state)
-        except StoreError as exc:
-            state.map_error = exc
-            raise
-        state.map_error = None
-
-    async def _read_map(self, state: _ClusterState) -> None:
+        raises StoreError when none does."""
         budget = self.connect_timeout + self.timeout
         try:
             if state.ready:
@@ -819,8 +810,9 @@ class _ConsumerRoutes:
     nodes that left the map are closed and given to the nodes that joined it. The list
     of connections cannot grow once handed out (the source sized its state by it), so it
     holds spares: twice as many as there are primaries now (at least six). Keys of a
-    slot no node serves, or of a node no spare is left for, go to :class:`UnservedKeys`
-    (they fail alone and are not read; the map is re-read).
+    slot no node serves, of a node no spare is left for, or all keys while no map could
+    be read yet, go to :class:`UnservedKeys`: the asyncio path reads them (loading the
+    map if need be), and what fails there fails only them.
     """
 
     def __init__(self, client: RedisClusterClient, loop: LoopThread) -> None:
@@ -831,7 +823,7 @@ class _ConsumerRoutes:
             BlockingClusterConnection(None, f"(spare {i})", self.trouble)
             for i in range(capacity)]
         self.unserved = capacity
-        self.conns.append(UnservedKeys(self._unserved, self.trouble))
+        self.conns.append(UnservedKeys(self._unserved_name, self._read_on_loop))
         self.generation = -1
         self.owner_of: list[int] = [self.unserved] * REDIS_CLUSTER_HASH_SLOTS
         self.incomplete = False  # a primary of the map is still without a connection
@@ -843,18 +835,32 @@ class _ConsumerRoutes:
         except RuntimeError:  # the loop is closed: nothing to refresh for
             pass
 
-    def _unserved(self) -> tuple[str, StoreError]:
-        """The node name and the error for keys routed to no node: before any map was
-        read, the reason it could not be (under the cluster's URL, as the asyncio path
-        reports it); after, the slots no node serves."""
+    def _unserved_name(self) -> str:
+        """Where keys without a connection count their failures: the cluster's URL
+        before any map was read (as the asyncio path reports it), else the slots no
+        node serves."""
         state = self.client._states.get(self.loop.loop)
         url = self.client.safe_url
-        if state is not None and state.view is _NO_VIEW and state.map_error is not None:
-            error = state.map_error
-            return url, type(error)(str(error))
-        return f"{url} (slots no node serves)", StoreUnavailable(
-            f"keys in slots that no node of the slot map of {url} serves (or a node this "
-            "consumer has no connection for); the map is being re-read")
+        if state is None or state.view is _NO_VIEW:
+            return url
+        return f"{url} (slots no node serves)"
+
+    def _read_on_loop(self, keys: Sequence[bytes]) -> list[Any]:
+        """(Consumer thread.) ``keys`` read by the asyncio path; raises what failed."""
+        client = self.client
+        budget = client.connect_timeout + 2 * client.timeout + 1
+        try:
+            result = self.loop.call(client.read(list(keys)), budget)
+        except concurrent.futures.TimeoutError as exc:
+            raise StoreTimeout(f"redis cluster {client.safe_url} did not answer within "
+                               f"{budget:g}s") from exc
+        except RuntimeError as exc:  # the loop is closed
+            raise StoreUnavailable(f"redis cluster {client.safe_url}: {exc}") from exc
+        for error in result.failures.values():
+            raise error
+        if result.skipped:  # not skipped here: only the policy skips, before send_get
+            raise StoreError("keys skipped by the cluster client (asynccache bug)")
+        return result.values
 
     def _view(self) -> _SlotView | None:
         state = self.client._states.get(self.loop.loop)
