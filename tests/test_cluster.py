@@ -20,6 +20,8 @@ from redis.crc import key_slot
 import asynccache as ac
 from asynccache.clients import RedisClusterClient
 from asynccache.clients.base import NOT_READ
+from asynccache.clients.blocking_cluster import BlockingClusterConnection
+from asynccache.sources import SocketSource
 from asynccache.testing import servers
 
 pytestmark = pytest.mark.anyio
@@ -421,6 +423,120 @@ async def test_ask_during_a_migration_and_tryagain_for_a_split_slot(
         for node in (source, dest):
             node.call("CLUSTER", "SETSLOT", slot, "STABLE")
     assert dest.call("CLUSTER", "COUNTKEYSINSLOT", slot) == 0
+
+
+async def test_a_batch_with_several_keys_per_slot_reads_them_in_order(
+    redis_cluster: servers.RedisCluster, cluster_client: RedisClusterClient, namespace: str
+) -> None:
+    """Keys sharing a slot (a {tag}) go as one MGET per slot, the others as GETs, in one
+    exchange per node: every value comes back at its own position."""
+    tagged = [f"{{{namespace}-{t}}}:{i}".encode() for t in range(3) for i in range(5)]
+    plain = [f"{namespace}:{i}".encode() for i in range(40)]
+    keys = [k for pair in zip(tagged, plain) for k in pair] + plain[len(tagged):]
+    assert len({key_slot(k) for k in tagged}) == 3
+    await cluster_client.set_many({k: b"v" + k for k in keys[::2]})
+    result = await cluster_client.read([*keys, tagged[0]])
+    assert result.values == [b"v" + k if i % 2 == 0 else None
+                             for i, k in enumerate(keys)] + [b"v" + tagged[0]]
+    assert result.failures == {}
+
+
+# -- consumer-side reads (dp[i] on the consumer's own sockets) ----------------------------
+def consumer_source(pipe: ac.AsyncKVCacheMapDataPipe) -> SocketSource:
+    source = pipe._runtime().prefetcher().source
+    assert isinstance(source, SocketSource), f"dp[i] reads through {type(source).__name__}"
+    return source
+
+
+def test_dp_reads_on_the_consumer_sockets_one_per_primary(
+    redis_cluster: servers.RedisCluster, namespace: str
+) -> None:
+    client = ac.connect(redis_cluster.url)
+    items = [f"item {i}" for i in range(300)]
+    pipe = ac.AsyncKVCacheMapDataPipe(items, client, prefetch=32, namespace=namespace)
+    try:
+        assert [pipe[i] for i in range(len(items))] == items  # computed, written back
+        pipe.flush()
+        source = consumer_source(pipe)
+        assigned = {c.node for c in source.conns
+                    if isinstance(c, BlockingClusterConnection) and c.endpoint is not None}
+        assert assigned == {name(n) for n in redis_cluster.nodes}
+        before = pipe.stats()
+        assert [pipe[i] for i in range(len(items))] == items
+        assert pipe.stats()["hits"] - before["hits"] == len(items)
+        assert pipe.stats()["errors"] == 0
+        spread = keys_by_node(redis_cluster, [pipe.key_for(i) for i in range(len(items))])
+        used = {source.conns[ci].node for ci in range(len(source.conns))
+                if isinstance(source.conns[ci], BlockingClusterConnection)
+                and source.conns[ci].sock is not None}
+        assert used == {node for node, keys in spread.items() if keys}
+    finally:
+        pipe.close()
+
+
+def test_a_slot_moved_under_consumer_reads_is_followed_and_never_gives_a_wrong_value(
+    own_cluster: servers.RedisCluster, namespace: str
+) -> None:
+    """The consumer's routing has the old map: the old owner answers MOVED, which must
+    not become a value; the map is re-read on the loop and later reads go to the new
+    owner, on a connection of its own."""
+    client = ac.connect(own_cluster.url, timeout=2.0)
+    items = [f"item {i}" for i in range(40)]
+    pipe = ac.AsyncKVCacheMapDataPipe(items, client, prefetch=8, namespace=namespace)
+    keys = [pipe.key_for(i) for i in range(len(items))]
+    slots = [key_slot(k) for k in keys]
+    j = next(i for i, slot in enumerate(slots) if slots.count(slot) == 1)
+    slot = slots[j]
+    source_node = owner(own_cluster, slot)
+    dest = next(n for n in own_cluster.nodes if n is not source_node)
+    writer = RedisClusterClient(nodes=client.nodes, timeout=2.0)
+
+    async def store(value: str) -> None:
+        cache = ac.AsyncKVCache(writer, namespace=namespace)
+        await cache.set_many({j: value})
+        await cache.aclose()
+
+    try:
+        assert [pipe[i] for i in range(len(items))] == items
+        pipe.flush()
+        source = consumer_source(pipe)
+        assert [pipe[i] for i in range(len(items))] == items  # all from the store now
+        errors = pipe.stats()["errors"]
+        source_node.call("DEL", keys[j])
+        move_empty_slot(own_cluster, slot, source_node, dest)
+        asyncio.run(store("on the new owner"))  # follows MOVED: the value is on dest
+        assert dest.call("EXISTS", keys[j]) == 1
+
+        first = pipe[j]  # the consumer still routes the slot to the old owner
+        assert first in ("on the new owner", items[j])
+        assert pipe.stats()["errors"] > errors, "the MOVED reply was not counted"
+        assert [pipe[i] for i in range(len(items)) if i != j] == items[:j] + items[j + 1:]
+
+        def refreshed() -> bool:  # the loop thread re-read the map
+            state = client._states.get(pipe._runtime().loop.loop)
+            return state is not None and state.view.owners[slot] == name(dest)
+        wait_until(refreshed, "the slot map refresh")
+        asyncio.run(store("second value"))
+        assert pipe[j] == "second value"  # read from dest, by the consumer's own socket
+        conn = next(c for c in source.conns if getattr(c, "node", None) == name(dest))
+        assert isinstance(conn, BlockingClusterConnection) and conn.sock is not None
+        assert [pipe[i] for i in range(len(items))] == [*items[:j], "second value", *items[j + 1:]]
+    finally:
+        pipe.close()
+        dest.call("DEL", keys[j])
+        move_empty_slot(own_cluster, slot, dest, source_node)
+
+        def moved_back() -> bool:
+            if owner(own_cluster, slot) is source_node:
+                return True
+            source_node.call("CLUSTER", "BUMPEPOCH")
+            for node in own_cluster.nodes:
+                node.call("CLUSTER", "SETSLOT", slot, "NODE", node_id(source_node))
+            return owner(own_cluster, slot) is source_node
+        wait_until(moved_back, "the slot to move back")
+        for node in own_cluster.nodes:
+            for key in node.call("KEYS", f"ac:{namespace}:*"):
+                node.call("DEL", key)
 
 
 # -- refused values -----------------------------------------------------------------------

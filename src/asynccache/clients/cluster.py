@@ -31,31 +31,46 @@ live nodes answer ``CLUSTERDOWN`` for every key once the dead node is marked fai
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from abc import ABC, abstractmethod
+from binascii import crc_hqx
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import hiredis
 import redis.exceptions as rexc
 from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.crc import key_slot
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
-from ..errors import StoreError, StoreRejected, StoreTimeout, StoreUnavailable
+from ..errors import CacheError, StoreError, StoreRejected, StoreTimeout, StoreUnavailable
+from ..loop import LoopThread, get_loop_thread
 from ..protocol.resp import (
     PING,
     check_mget_reply,
+    cluster_node_error,
     explain_rejection,
     is_error,
-    no_permission,
     pack_command,
     pack_delete,
+    pack_gets,
     pack_mget,
     pack_set,
     pack_set_if_absent,
 )
-from .base import NOT_READ, BaseClient, Credential, ReadResult, WriteResult, chunked
+from .base import (
+    NOT_READ,
+    BaseClient,
+    BlockingGetConnection,
+    ConsumerReads,
+    Credential,
+    ReadResult,
+    WriteResult,
+    chunked,
+)
+from .blocking_cluster import BlockingClusterConnection, UnservedKeys
 from .endpoint import RedisEndpoint, TlsSettings, connect_failure, ssl_error_in
 from .resp import Request, RespConnection
 from .resp_admin import node_info, pack_exists, scan_node
@@ -69,8 +84,34 @@ _ASKING = pack_command(b"ASKING")
 #: node is probed on every read that is not skipped, and each probe must not cost a
 #: ``CLUSTER SLOTS``.
 REFRESH_INTERVAL = 1.0
-#: Error replies that mean "this node cannot serve these keys now", not "this value".
-_UNAVAILABLE = ("CLUSTERDOWN", "LOADING", "BUSY", "MASTERDOWN", "NOAUTH")
+#: Least seconds between re-reads asked for by a redirection the consumer-side path saw
+#: (it cannot follow one itself): a burst of ``MOVED`` replies costs one ``CLUSTER SLOTS``.
+REDIRECT_REFRESH_INTERVAL = 0.1
+_SLOT_MASK = REDIS_CLUSTER_HASH_SLOTS - 1
+_ReplyError = hiredis.ReplyError
+
+
+def key_slots(keys: Sequence[bytes]) -> list[int]:
+    """Each key's hash slot: redis-py's ``key_slot`` (the server's CRC16, of the ``{tag}``
+    when there is one), with the common tag-free batch inlined (``binascii.crc_hqx`` is
+    the C CRC16 that ``key_slot`` itself calls)."""
+    if b"{" in b"".join(keys):
+        return [key_slot(k) for k in keys]
+    return [crc_hqx(k, 0) & _SLOT_MASK for k in keys]
+
+
+@dataclass(frozen=True, slots=True)
+class _SlotView:
+    """redis-py's slot map as of one refresh, flattened for lookups on the hot path (and
+    replaced whole, so the consumer threads read a consistent one without a lock):
+    ``owners[slot]`` is the primary's name (None: no node serves the slot)."""
+
+    generation: int
+    owners: tuple[str | None, ...]
+    primaries: dict[str, tuple[str, int]]  # name -> (host, port)
+
+
+_NO_VIEW = _SlotView(0, (None,) * REDIS_CLUSTER_HASH_SLOTS, {})
 
 
 @dataclass(slots=True)
@@ -98,6 +139,7 @@ class _ClusterState:
     topology: RedisCluster  # the slot map only: no data goes through redis-py
     nodes: dict[str, RespConnection] = field(default_factory=dict)  # "host:port" -> conn
     ready: bool = False  # the slot map was read once
+    view: _SlotView = _NO_VIEW  # the slot map as of the last read
     refresh: asyncio.Task[None] | None = None  # background re-read after a failure
     last_refresh: float = float("-inf")  # time.monotonic() of the last re-read started
 
@@ -119,26 +161,6 @@ def _redirect(reply: Any, replier_host: str) -> _Target | None:
         return None
     host = host or replier_host
     return _Target(f"{host}:{port}", host, int(port), asking=kind == "ASK")
-
-
-def _node_error(reply: Any, node: str) -> StoreError | None:
-    """The failure an error reply means for the node's keys, or None for a reply about
-    the command itself (a refused value, a wrong type)."""
-    text = str(reply)
-    if text.startswith("TRYAGAIN"):
-        # a multi-key command on a slot half migrated: transient, no back-off
-        return StoreError(f"redis cluster node {node} answered {text}: its slot is being "
-                          "migrated and those keys are split between two nodes for now")
-    if text.startswith("NOPERM"):
-        return StoreUnavailable(no_permission(text, f"cluster node {node}"))
-    if text.startswith(_UNAVAILABLE):
-        hint = ""
-        if text.startswith("CLUSTERDOWN"):
-            hint = ("; if a node is down, set cluster-require-full-coverage no on every "
-                    "node so the others keep serving their slots")
-        return StoreUnavailable(f"redis cluster node {node} cannot serve these keys: "
-                                f"{text}{hint}")
-    return None
 
 
 def _unexpected(node: str, exc: Exception) -> StoreError:
@@ -176,9 +198,11 @@ class _Call(ABC):
     def answered(self) -> list[str]:
         return [node for node in self.replied if node not in self.failures]
 
-    def fail(self, node: str, error: StoreError, commands: Sequence[_Command]) -> None:
+    def fail(self, node: str, error: StoreError, commands: Sequence[_Command] | int) -> None:
+        """``node`` failed for ``commands`` (or that many keys)."""
         self.failures.setdefault(node, error)
-        self.failed_keys += sum(len(c.positions) for c in commands)
+        self.failed_keys += (commands if type(commands) is int
+                             else sum(len(c.positions) for c in commands))  # type: ignore[union-attr]
         if isinstance(error, StoreUnavailable | StoreTimeout):
             self.refresh_soon = True
 
@@ -252,29 +276,139 @@ class _Call(ABC):
             replies = replies[1::2]  # ASKING answers OK; a refused one shows in the next reply
         self.replied[node] = None
         for command, reply in zip(commands, replies):
-            if is_error(reply):
-                moved = _redirect(reply, target.host)
-                if moved is not None:
-                    if redirects is None:
-                        self.fail(node, StoreError(
-                            f"redis cluster node {node} redirected slot {command.slot} "
-                            f"again ({reply}) after a redirection; its keys were not served"),
-                            [command])
-                    else:
-                        redirects.append((command, moved))
-                    continue
-                error = _node_error(reply, node)
-                if error is not None:
-                    self.fail(node, error, [command])
-                    continue
-            self.on_reply(node, command, reply)
+            self.handle(target, command, reply, redirects)
+
+    def handle(self, target: _Target, command: _Command, reply: Any,
+               redirects: list[tuple[_Command, _Target]] | None) -> None:
+        """One reply: a redirection is collected (or, on a retry, fails), an error about
+        the node fails its keys, anything else goes to :meth:`on_reply`."""
+        node = target.node
+        if is_error(reply):
+            moved = _redirect(reply, target.host)
+            if moved is not None:
+                if redirects is None:
+                    self.fail(node, StoreError(
+                        f"redis cluster node {node} redirected slot {command.slot} "
+                        f"again ({reply}) after a redirection; its keys were not served"),
+                        [command])
+                else:
+                    redirects.append((command, moved))
+                return
+            error = cluster_node_error(reply, node)
+            if error is not None:
+                self.fail(node, error, [command])
+                return
+        self.on_reply(node, command, reply)
 
 
 class _Read(_Call):
+    """A read: per node, one pipelined exchange of a ``GET`` per key (an ``MGET`` per slot
+    for a slot holding several keys of the batch), parsed in one pass; only the rare
+    error replies become :class:`_Command` s, for the redirection and failure logic."""
+
     def __init__(self, client: RedisClusterClient, state: _ClusterState,
                  skip: Collection[str], n: int) -> None:
         super().__init__(client, state, skip)
         self.values: list[Any] = [NOT_READ] * n
+
+    async def read(self, keys: Sequence[bytes]) -> None:
+        slots = key_slots(keys)
+        owners = self.state.view.owners
+        groups: dict[str | None, list[int]] = {}
+        distinct = len(set(slots)) == len(slots)  # no slot with two keys (most batches)
+        for position, node in enumerate([owners[slot] for slot in slots]):
+            group = groups.get(node)
+            if group is None:
+                groups[node] = [position]
+            else:
+                group.append(position)
+        unserved = groups.pop(None, None)
+        if unserved is not None:
+            url = self.client.safe_url
+            self.fail(url, StoreUnavailable(
+                f"slot {slots[unserved[0]]} of redis cluster {url} is served by no node"),
+                len(unserved))
+        # every node's request is written first, then the replies are awaited in turn:
+        # the nodes work concurrently without a Task per node
+        redirects: list[tuple[_Command, _Target]] = []
+        primaries = self.state.view.primaries
+        sent: list[tuple[_Target, list[int], list[_Command] | None, RespConnection, Any]] = []
+        for node, positions in groups.items():
+            if node in self.skip:
+                self.skipped += len(positions)
+                continue
+            host, port = primaries[node]  # type: ignore[index]
+            target = _Target(node, host, port)  # type: ignore[arg-type]
+            try:
+                commands, data, n = self._pack(keys, slots, positions, distinct)
+                conn = self.client._connection(self.state, target)
+                exchange: Any = conn.send_now((data,), n)
+                if exchange is None:  # not connected yet: connect (and send) in a Task
+                    exchange = asyncio.ensure_future(conn.execute_packed((data,), n))
+            except Exception as exc:  # a bug below us costs this node's keys
+                self.fail(node, _unexpected(node, exc), len(positions))
+                continue
+            sent.append((target, positions, commands, conn, exchange))
+        try:
+            while sent:
+                target, positions, commands, conn, exchange = sent.pop(0)
+                node = target.node
+                try:
+                    if isinstance(exchange, asyncio.Future):
+                        replies = await exchange
+                    else:
+                        replies = await conn.result(exchange)
+                    self.replied[node] = None
+                    self._scatter(target, keys, slots, positions, commands, replies, redirects)
+                except StoreError as exc:
+                    self.fail(node, exc, len(positions))
+                except Exception as exc:
+                    self.fail(node, _unexpected(node, exc), len(positions))
+        finally:
+            for *_, exchange in sent:  # cancelled: nobody waits for these replies any more
+                exchange.cancel()
+        if redirects:
+            await self._follow(redirects)
+        if self.refresh_soon:
+            self.client._refresh_soon(self.state)
+
+    def _pack(self, keys: Sequence[bytes], slots: list[int], positions: list[int],
+              distinct: bool) -> tuple[list[_Command] | None, bytes, int]:
+        """One node's request: a GET per key (commands None), or, when a slot holds
+        several of its keys, a GET per lone key and an MGET per such slot."""
+        if distinct:  # the common case
+            return None, pack_gets([keys[p] for p in positions]), len(positions)
+        commands = []
+        by_slot: dict[int, list[int]] = {}
+        for position in positions:
+            by_slot.setdefault(slots[position], []).append(position)
+        for slot, at in by_slot.items():
+            if len(at) == 1:
+                commands.append(_Command(slot, at, [pack_gets((keys[at[0]],))]))
+            else:
+                commands += [_Command(slot, chunk, [pack_mget([keys[p] for p in chunk])])
+                             for chunk in chunked(at, self.client.max_batch)]
+        return commands, b"".join([c.request[0] for c in commands]), len(commands)  # type: ignore[misc]
+
+    def _scatter(self, target: _Target, keys: Sequence[bytes], slots: list[int],
+                 positions: list[int], commands: list[_Command] | None, replies: list[Any],
+                 redirects: list[tuple[_Command, _Target]]) -> None:
+        """A node's replies into the values; error replies to :meth:`handle`."""
+        values = self.values
+        if commands is None:
+            if _ReplyError not in map(type, replies):
+                for position, value in zip(positions, replies):
+                    values[position] = value
+                return
+            commands = [_Command(slots[p], [p], []) for p in positions]
+        for command, reply in zip(commands, replies):
+            if len(command.positions) == 1 and type(reply) is not list:  # a GET's reply
+                if type(reply) is not _ReplyError:
+                    values[command.positions[0]] = reply
+                    continue
+                # a retry (after MOVED / ASK) goes as an MGET of one key
+                command.request = [pack_mget((keys[command.positions[0]],))]
+            self.handle(target, command, reply, redirects)
 
     def on_reply(self, node: str, command: _Command, reply: Any) -> None:
         if type(reply) is not list:
@@ -438,13 +572,20 @@ class RedisClusterClient(BaseClient[_ClusterState]):
         return conn
 
     def _sync_nodes(self, state: _ClusterState) -> None:
-        """One connection per primary of the current map; close the others."""
+        """One connection per primary of the current map; close the others. Publish the
+        map as a new :class:`_SlotView` (the read paths' lookups)."""
         primaries = {n.name: n for n in state.topology.get_primaries()}
         for name in [name for name in state.nodes if name not in primaries]:
             state.nodes.pop(name).close()
         for name, node in primaries.items():
             if name not in state.nodes:
                 state.nodes[name] = RespConnection(self._endpoint(node.host, int(node.port)))
+        owners: list[str | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
+        for slot, holders in state.topology.nodes_manager.slots_cache.items():
+            if holders and holders[0].name in primaries:  # [0]: the slot's primary
+                owners[slot] = holders[0].name
+        state.view = _SlotView(state.view.generation + 1, tuple(owners),
+                               {name: (n.host, int(n.port)) for name, n in primaries.items()})
         self._primaries = tuple(primaries)
 
     async def _load_map(self, state: _ClusterState) -> None:
@@ -478,13 +619,46 @@ class RedisClusterClient(BaseClient[_ClusterState]):
         except StoreError as exc:
             logger.debug("asynccache: slot map refresh failed: %s", exc)
 
-    def _refresh_soon(self, state: _ClusterState) -> None:
-        """Re-read the map in the background, at most once per REFRESH_INTERVAL."""
+    def _refresh_soon(self, state: _ClusterState, interval: float = REFRESH_INTERVAL) -> None:
+        """Re-read the map in the background, at most once per ``interval``."""
         if state.refresh is not None and not state.refresh.done():
             return
-        if time.monotonic() - state.last_refresh < REFRESH_INTERVAL:
+        if time.monotonic() - state.last_refresh < interval:
             return
         state.refresh = asyncio.ensure_future(self._refresh(state))
+
+    def _consumer_trouble(self, redirected: bool) -> None:
+        """(Loop thread.) A consumer-side connection saw a redirection, or a node that
+        cannot serve: re-read the map soon (the consumers' routing follows it)."""
+        try:
+            state = self._state()
+        except RuntimeError:  # the loop is shutting down
+            return
+        self._refresh_soon(state, REDIRECT_REFRESH_INTERVAL if redirected else REFRESH_INTERVAL)
+
+    async def _loaded_state(self) -> _ClusterState:
+        """(Loop thread.) This loop's state, its map read if any startup node answers."""
+        state = self._state()
+        if not state.ready:
+            try:
+                await self._load_map(state)
+            except StoreError as exc:
+                logger.debug("asynccache: slot map not read yet: %s", exc)
+        return state
+
+    def consumer_reads(self) -> ConsumerReads | None:
+        """Read-ahead on the consumer thread's own sockets: one blocking connection per
+        primary (TLS as configured), routed by the slot map of the process's loop
+        thread, which keeps it fresh (see :class:`_ConsumerRoutes`)."""
+        loop = get_loop_thread()
+        if loop.in_loop_thread():
+            return None
+        try:
+            loop.call(self._loaded_state(), self.connect_timeout + self.timeout + 1)
+        except (concurrent.futures.TimeoutError, CacheError):
+            pass  # no map yet: the routes send every key to UnservedKeys until one is read
+        routes = _ConsumerRoutes(self, loop)
+        return ConsumerReads(routes.conns, routes.route)
 
     async def _ready(self) -> _ClusterState:
         state = self._state()
@@ -495,8 +669,7 @@ class RedisClusterClient(BaseClient[_ClusterState]):
     @staticmethod
     def _by_slot(keys: Sequence[bytes]) -> dict[int, list[int]]:
         slots: dict[int, list[int]] = {}
-        for position, key in enumerate(keys):
-            slot = key_slot(key)
+        for position, slot in enumerate(key_slots(keys)):
             found = slots.get(slot)
             if found is None:
                 slots[slot] = [position]
@@ -528,7 +701,7 @@ class RedisClusterClient(BaseClient[_ClusterState]):
             return ReadResult([NOT_READ] * len(keys), failures={self.safe_url: exc})
         call = _Read(self, state, skip, len(keys))
         if keys:
-            await call.run(self._multi_key(keys, pack_mget))
+            await call.read(keys)
         return ReadResult(call.values, call.failures, call.answered, call.skipped)
 
     async def write(self, entries: Mapping[bytes, bytes], ttl: float | None = None,
@@ -625,3 +798,120 @@ class RedisClusterClient(BaseClient[_ClusterState]):
         for error in call.failures.values():
             raise error
         return call.found
+
+
+class _ConsumerRoutes:
+    """``route(keys)`` for one consumer thread's :class:`~asynccache.sources.SocketSource`,
+    and its connections: one :class:`BlockingClusterConnection` per primary.
+
+    The map is the one the loop thread's state keeps (redis-py's, as a
+    :class:`_SlotView`); each request looks at its generation, and a new one (after a
+    ``MOVED``, a failover, a node that left) is followed there and then: connections of
+    nodes that left the map are closed and given to the nodes that joined it. The list
+    of connections cannot grow once handed out (the source sized its state by it), so it
+    holds spares: twice as many as there are primaries now (at least six). Keys of a
+    slot no node serves, of a node no spare is left for, or all keys while no map could
+    be read yet, go to :class:`UnservedKeys`: the asyncio path reads them (loading the
+    map if need be), and what fails there fails only them.
+    """
+
+    def __init__(self, client: RedisClusterClient, loop: LoopThread) -> None:
+        self.client = client
+        self.loop = loop
+        capacity = 2 * max(len(client.node_names), 3)
+        self.conns: list[BlockingGetConnection] = [
+            BlockingClusterConnection(None, f"(spare {i})", self.trouble)
+            for i in range(capacity)]
+        self.unserved = capacity
+        self.conns.append(UnservedKeys(self._unserved_name, self._read_on_loop))
+        self.generation = -1
+        self.owner_of: list[int] = [self.unserved] * REDIS_CLUSTER_HASH_SLOTS
+        self.incomplete = False  # a primary of the map is still without a connection
+
+    def trouble(self, node: str, redirected: bool) -> None:
+        """(Consumer thread.) Ask the loop thread to re-read the map."""
+        try:
+            self.loop.call_soon(self.client._consumer_trouble, redirected)
+        except RuntimeError:  # the loop is closed: nothing to refresh for
+            pass
+
+    def _unserved_name(self) -> str:
+        """Where keys without a connection count their failures: the cluster's URL
+        before any map was read (as the asyncio path reports it), else the slots no
+        node serves."""
+        state = self.client._states.get(self.loop.loop)
+        url = self.client.safe_url
+        if state is None or state.view is _NO_VIEW:
+            return url
+        return f"{url} (slots no node serves)"
+
+    def _read_on_loop(self, keys: Sequence[bytes]) -> list[Any]:
+        """(Consumer thread.) ``keys`` read by the asyncio path; raises what failed."""
+        client = self.client
+        budget = client.connect_timeout + 2 * client.timeout + 1
+        try:
+            result = self.loop.call(client.read(list(keys)), budget)
+        except concurrent.futures.TimeoutError as exc:
+            raise StoreTimeout(f"redis cluster {client.safe_url} did not answer within "
+                               f"{budget:g}s") from exc
+        except RuntimeError as exc:  # the loop is closed
+            raise StoreUnavailable(f"redis cluster {client.safe_url}: {exc}") from exc
+        for error in result.failures.values():
+            raise error
+        if result.skipped:  # not skipped here: only the policy skips, before send_get
+            raise StoreError("keys skipped by the cluster client (asynccache bug)")
+        return result.values
+
+    def _view(self) -> _SlotView | None:
+        state = self.client._states.get(self.loop.loop)
+        return None if state is None else state.view
+
+    def route(self, keys: Sequence[bytes]) -> list[tuple[int, list[int]]]:
+        view = self._view()
+        if view is not None and (view.generation != self.generation or (
+                self.incomplete and self._any_free(view))):
+            self._follow(view)
+        owner_of = self.owner_of
+        groups: dict[int, list[int]] = {}
+        for position, ci in enumerate([owner_of[slot] for slot in key_slots(keys)]):
+            group = groups.get(ci)
+            if group is None:
+                groups[ci] = [position]
+            else:
+                group.append(position)
+        return list(groups.items())
+
+    def _real(self) -> list[BlockingClusterConnection]:
+        return self.conns[: self.unserved]  # type: ignore[return-value]
+
+    def _any_free(self, view: _SlotView) -> bool:
+        return any(c.endpoint is None or (c.node not in view.primaries and not c.pending)
+                   for c in self._real())
+
+    def _follow(self, view: _SlotView) -> None:
+        """Connections for the primaries of ``view``, and the slot → connection lookup."""
+        primaries = view.primaries
+        conns = self._real()
+        index = {c.node: ci for ci, c in enumerate(conns)
+                 if c.endpoint is not None and c.node in primaries}
+        free = []
+        for ci, conn in enumerate(conns):
+            if conn.endpoint is None or (conn.node not in primaries and not conn.pending):
+                conn.close()
+                free.append(ci)
+        self.incomplete = False
+        for name, (host, port) in primaries.items():
+            if name in index:
+                continue
+            if not free:
+                self.incomplete = True
+                logger.debug("asynccache: no consumer connection left for cluster node %s",
+                             name)
+                continue
+            ci = free.pop(0)
+            conns[ci].retarget(self.client._endpoint(host, port), name)
+            index[name] = ci
+        unserved = self.unserved
+        lookup = {name: index.get(name, unserved) for name in primaries}
+        self.owner_of = [unserved if name is None else lookup[name] for name in view.owners]
+        self.generation = view.generation

@@ -10,10 +10,13 @@ requests written back to back (pipelined), replies parsed by ``hiredis.Reader`` 
 handed to waiting futures in order. redis-py stays in charge of everything else
 (cluster topology).
 
-Ordering safety: every request owns a slot in a FIFO of futures. A caller that gives
-up (timeout, cancellation) leaves its slot in place, so a late reply is consumed by
-its own slot and can never be read as the answer to the next request. After a timeout
-the connection is closed anyway (a store that does not answer is not trusted to).
+Ordering safety: every exchange (one or many pipelined commands) owns a slot in a FIFO
+of waiters, which collects exactly as many replies as the exchange sent commands and
+then resolves one future: a cluster node's 30 ``GET`` s cost one future, not 30. A
+caller that gives up (timeout, cancellation) leaves its slot in place, so a late reply
+is consumed by its own slot and can never be read as the answer to the next request.
+After a timeout the connection is closed anyway (a store that does not answer is not
+trusted to).
 
 Idle connections: a server may close a connection that sat idle (Redis ``timeout``).
 When a request sent on an idle connection finds it closed before any reply arrived,
@@ -27,6 +30,7 @@ import asyncio
 import collections
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import StoreError, StoreTimeout, StoreUnavailable
@@ -36,14 +40,43 @@ from .endpoint import RedisEndpoint, close_transport, connect_failure
 #: One request: the buffers of one command, written back to back (values not copied).
 Request = Sequence[bytes | memoryview]
 
-__all__ = ["RespConnection"]
+__all__ = ["RespConnection", "Sent"]
+
+
+class _Waiter:
+    """One exchange's slot in the FIFO: its future and the replies gathered so far."""
+
+    __slots__ = ("future", "n", "replies")
+
+    def __init__(self, future: asyncio.Future[list[Any]], n: int) -> None:
+        self.future = future
+        self.n = n
+        self.replies: list[Any] = []
+
+
+@dataclass(slots=True)
+class Sent:
+    """Commands written by :meth:`RespConnection.send_now`, their replies to come."""
+
+    proto: _Protocol
+    future: asyncio.Future[list[Any]]
+    timer: asyncio.TimerHandle
+    idle: bool  # nothing else was in flight: a close before any reply is worth a resend
+    replies_before: int
+    buffers: Sequence[bytes | memoryview]
+    n: int
+
+    def cancel(self) -> None:
+        """Nobody waits for these replies any more (they are consumed when they come)."""
+        self.future.cancel()
+        self.timer.cancel()
 
 
 class _Protocol(asyncio.Protocol):
     def __init__(self, where: str) -> None:
         self.where = where
         self.reader = new_parser()
-        self.waiters: collections.deque[asyncio.Future[Any]] = collections.deque()
+        self.waiters: collections.deque[_Waiter] = collections.deque()
         self.transport: asyncio.Transport | None = None
         self.failure: StoreError | None = None
         self.replies = 0  # replies received so far on this connection
@@ -54,12 +87,26 @@ class _Protocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.reader.feed(data)
         waiters = self.waiters
+        gets = self.reader.gets
         try:
-            while (reply := self.reader.gets()) is not False:
-                self.replies += 1
-                fut = waiters.popleft()
+            while waiters:
+                waiter = waiters[0]
+                got = waiter.replies
+                before = len(got)
+                for _ in range(waiter.n - before):
+                    reply = gets()
+                    if reply is False:
+                        break
+                    got.append(reply)
+                self.replies += len(got) - before
+                if len(got) < waiter.n:
+                    return  # the rest is still on the wire
+                waiters.popleft()
+                fut = waiter.future
                 if not fut.done():
-                    fut.set_result(reply)
+                    fut.set_result(got)
+            if gets() is not False:
+                raise StoreError("a reply nobody asked for")
         except Exception as exc:  # hiredis.ProtocolError, or a reply nobody asked for
             self.fail(StoreError(f"redis {self.where} sent an unexpected reply: {exc!r}"))
 
@@ -72,7 +119,7 @@ class _Protocol(asyncio.Protocol):
         if self.failure is None:
             self.failure = error
         while self.waiters:
-            fut = self.waiters.popleft()
+            fut = self.waiters.popleft().future
             if not fut.done():
                 fut.set_exception(error)
         if self.transport is not None:
@@ -116,35 +163,30 @@ class RespConnection:
             raise connect_failure("redis", ep.where, exc, ep.tls, ep.connect_timeout) from exc
         setup = ep.setup_requests()
         if setup:
-            refused = setup_refused(ep.where, await self._send(proto, [[r] for r in setup]))
+            refused = setup_refused(ep.where, await self._send(proto, setup, len(setup)))
             if refused is not None:
                 proto.fail(refused)
                 raise refused
         self._proto = proto
         return proto
 
-    async def _send(self, proto: _Protocol, requests: Sequence[Request]) -> list[Any]:
-        """Write requests back to back and wait for their replies (bounded).
+    async def _send(self, proto: _Protocol, buffers: Sequence[bytes | memoryview],
+                    n: int) -> list[Any]:
+        """Write ``buffers`` (``n`` commands) back to back and wait for their ``n``
+        replies (bounded).
 
-        One timer for the whole exchange (a ``call_later`` handle, not ``wait_for``,
-        which costs a Task per call on this hot path).
+        One future and one timer for the whole exchange (a ``call_later`` handle, not
+        ``wait_for``, which costs a Task per call on this hot path).
         """
         if proto.failure is not None:
             raise proto.failure
         loop = asyncio.get_running_loop()
-        futures = [loop.create_future() for _ in requests]
-        proto.waiters.extend(futures)
-        proto.transport.writelines(itertools.chain.from_iterable(requests))  # type: ignore[union-attr]
+        fut: asyncio.Future[list[Any]] = loop.create_future()
+        proto.waiters.append(_Waiter(fut, n))
+        proto.transport.writelines(buffers)  # type: ignore[union-attr]
         timer = loop.call_later(self.endpoint.timeout, self._expire, proto)
         try:
-            return [await fut for fut in futures]
-        except BaseException:
-            for fut in futures:  # consume the siblings' errors: nobody else awaits them
-                if fut.done() and not fut.cancelled():
-                    fut.exception()
-                else:
-                    fut.cancel()
-            raise
+            return await fut
         finally:
             timer.cancel()
 
@@ -157,15 +199,50 @@ class RespConnection:
         """Send every request pipelined; their replies in order (error replies included,
         as ``hiredis.ReplyError`` values). Commands must be idempotent: one that found an
         idle connection closed by the server is sent once more."""
-        proto = await self._connected()
-        idle, replies_before = not proto.waiters, proto.replies
+        return await self.execute_packed(list(itertools.chain.from_iterable(requests)),
+                                         len(requests))
+
+    async def execute_packed(self, buffers: Sequence[bytes | memoryview], n: int
+                             ) -> list[Any]:
+        """``buffers`` hold ``n`` commands, already packed back to back: their ``n``
+        replies in order (as :meth:`execute`; idempotent commands only)."""
+        if not n:
+            return []
+        sent = self.send_now(buffers, n)
+        if sent is None:
+            proto = await self._connected()
+            sent = self.send_now(buffers, n)
+            if sent is None:  # it failed again meanwhile
+                raise proto.failure or StoreUnavailable(f"redis {self.endpoint.where}: "
+                                                        "the connection closed")
+        return await self.result(sent)
+
+    def send_now(self, buffers: Sequence[bytes | memoryview], n: int) -> Sent | None:
+        """Write ``n`` packed commands now, if the connection is open (None otherwise:
+        use :meth:`execute_packed`); :meth:`result` waits for their replies. Sending to
+        several nodes first and waiting after needs no Task per node."""
+        proto = self._proto
+        if proto is None or proto.failure is not None or not n:
+            return None
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[list[Any]] = loop.create_future()
+        sent = Sent(proto, fut, loop.call_later(self.endpoint.timeout, self._expire, proto),
+                    not proto.waiters, proto.replies, buffers, n)
+        proto.waiters.append(_Waiter(fut, n))
+        proto.transport.writelines(buffers)  # type: ignore[union-attr]
+        return sent
+
+    async def result(self, sent: Sent) -> list[Any]:
+        """The replies of what :meth:`send_now` sent (bounded by the timeout)."""
         try:
-            return await self._send(proto, requests)
+            return await sent.future
         except StoreUnavailable:
-            if not (idle and proto.replies == replies_before):
+            if not (sent.idle and sent.proto.replies == sent.replies_before):
                 raise
             # the server had closed the idle connection: once more on a fresh one
-            return await self._send(await self._connected(), requests)
+            return await self._send(await self._connected(), sent.buffers, sent.n)
+        finally:
+            sent.timer.cancel()
 
     async def mget(self, chunks: Sequence[Sequence[bytes]]) -> list[bytes | None]:
         """Values of every key of every chunk, one pipelined MGET per chunk, in order."""

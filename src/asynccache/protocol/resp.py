@@ -1,8 +1,8 @@
 """RESP (Redis/Valkey) requests and replies for the lean read path; parsing is hiredis'.
 
-Why only this much: reads on the hot path are ``MGET`` (a single server) or pipelined
-``MGET`` per hash slot (a cluster), and each connection first sends ``AUTH``/``SELECT``.
-Everything else (writes, deletes, cluster topology) goes through redis-py.
+Why only this much: reads on the hot path are ``MGET`` (a single server) or, on a cluster,
+pipelined ``GET`` s per node (``MGET`` for a slot holding several keys of the batch), and
+each connection first sends ``AUTH``/``SELECT``. The cluster topology is redis-py's.
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ from ..errors import StoreError, StoreUnavailable
 
 __all__ = [
     "check_mget_reply",
+    "cluster_node_error",
     "new_parser",
     "no_permission",
     "pack_command",
+    "pack_gets",
     "pack_mget",
     "setup_commands",
     "setup_refused",
@@ -41,6 +43,14 @@ def pack_mget(keys: Sequence[bytes]) -> bytes:
     parts = [b"*%d\r\n$4\r\nMGET\r\n" % (len(keys) + 1)]
     parts.extend(b"$%d\r\n%s\r\n" % (len(k), k) for k in keys)
     return b"".join(parts)
+
+
+def pack_gets(keys: Sequence[bytes]) -> bytes:
+    """One ``GET`` per key, back to back: one reply per key, in order."""
+    if len(set(map(len, keys))) == 1:  # keys of one length (most batches): one join
+        head = b"*2\r\n$3\r\nGET\r\n$%d\r\n" % len(keys[0])
+        return b"".join((head, (b"\r\n" + head).join(keys), b"\r\n"))
+    return b"".join([b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k) for k in keys])
 
 
 def setup_commands(username: str | None, password: str | None, db: int) -> list[bytes]:
@@ -68,9 +78,9 @@ def no_permission(text: str, where: str) -> str:
     """What a ``NOPERM`` reply means: the ACL user may not touch these keys, or run this
     command; and what to grant it."""
     return (f"redis {where}: the ACL user lacks permission ({text}); asynccache uses the "
-            "keys ac:<namespace>:* with MGET, SET, DEL and PING: grant the user that key "
-            "pattern and those commands, e.g. ACL SETUSER <user> ~ac:<namespace>:* "
-            "+mget +set +del +ping")
+            "keys ac:<namespace>:* with MGET (and GET on a cluster), SET, DEL and PING: grant "
+            "the user that key pattern and those commands, e.g. ACL SETUSER <user> "
+            "~ac:<namespace>:* +mget +get +set +del +ping")
 
 
 def check_mget_reply(reply: Any, where: str) -> list[Any]:
@@ -87,6 +97,30 @@ def check_mget_reply(reply: Any, where: str) -> list[Any]:
             return_error = StoreError(f"redis {where} answered MGET with an error: {text}")
         raise return_error
     raise StoreError(f"redis {where} answered MGET with {type(reply).__name__}, not an array")
+
+
+#: Error replies that mean "this cluster node cannot serve these keys now", not "this value".
+_UNAVAILABLE = ("CLUSTERDOWN", "LOADING", "BUSY", "MASTERDOWN", "NOAUTH")
+
+
+def cluster_node_error(reply: Any, node: str) -> StoreError | None:
+    """The failure an error reply of a cluster node means for its keys, or None for a
+    reply about the command itself (a refused value, a wrong type) or a redirection."""
+    text = str(reply)
+    if text.startswith("TRYAGAIN"):
+        # a multi-key command on a slot half migrated: transient, no back-off
+        return StoreError(f"redis cluster node {node} answered {text}: its slot is being "
+                          "migrated and those keys are split between two nodes for now")
+    if text.startswith("NOPERM"):
+        return StoreUnavailable(no_permission(text, f"cluster node {node}"))
+    if text.startswith(_UNAVAILABLE):
+        hint = ""
+        if text.startswith("CLUSTERDOWN"):
+            hint = ("; if a node is down, set cluster-require-full-coverage no on every "
+                    "node so the others keep serving their slots")
+        return StoreUnavailable(f"redis cluster node {node} cannot serve these keys: "
+                                f"{text}{hint}")
+    return None
 
 
 def pack_set(key: bytes, value: bytes | memoryview, ttl_ms: int | None) -> list[Any]:
