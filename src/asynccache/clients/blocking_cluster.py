@@ -111,12 +111,12 @@ class BlockingClusterConnection(BlockingRespConnection):
             self._raw = False
 
     # -- replies ------------------------------------------------------------------------
-    def poll(self) -> list[list[Any]]:
+    def poll(self, limit: int | None = None) -> list[list[Any]]:
         if self._deferred is not None:
             raise self._take_deferred()
         self._polling, self._returned = True, 0
         try:
-            return super().poll()
+            return super().poll(limit)
         except (StoreUnavailable, StoreTimeout):
             self.trouble(self.node, False)
             raise
@@ -217,10 +217,10 @@ class UnservedKeys:
     def send_get(self, keys: Sequence[bytes]) -> None:
         self.replies.append(self.read(keys))
 
-    def poll(self) -> list[list[Any]]:
-        out = list(self.replies)
-        self.replies.clear()
-        return out
+    def poll(self, limit: int | None = None) -> list[list[Any]]:
+        replies = self.replies
+        n = len(replies) if limit is None else min(limit, len(replies))
+        return [replies.popleft() for _ in range(n)]
 
     def receive(self) -> list[Any]:
         if not self.replies:
