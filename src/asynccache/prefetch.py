@@ -76,6 +76,10 @@ REQUESTS_PER_WINDOW = 16
 #: 2 × 32 values of unknown size, and a first value behind at most 3 others).
 FIRST_WINDOW = 16
 FIRST_BATCH = 4
+#: From this many bytes per request on, a read that waits parses and decodes no further
+#: than the request it waits for (a window that arrived meanwhile is tens of MiB); below
+#: it, taking every reply that arrived at once costs fewer system calls.
+BOUNDED_REQUEST_BYTES = 256 << 10
 #: weight of the newest reply in the bytes-per-item estimate
 _ALPHA = 0.25
 
@@ -144,6 +148,9 @@ class Prefetcher:
         self.batch = min(batch_size_for(self.window), FIRST_BATCH)
         self.small_item = small_item_bytes(self.prefetch, prefetch_bytes)
         self.full_batch = batch_size_for(self.prefetch)
+        #: requests carry enough bytes that a wait should do no more than it needs
+        #: (``source.advance``); below, taking everything that arrived is cheaper
+        self.bounded = False
         self.strict = strict
         self.ready: dict[Any, Any] = {}
         self.inflight: dict[Any, Ticket] = {}
@@ -287,6 +294,7 @@ class Prefetcher:
         self.item_bytes = learned(self.item_bytes, ticket.nbytes, len(ticket.indices))
         self.window, self.batch = sized_window(self.prefetch, self.prefetch_bytes,
                                                self.item_bytes)
+        self.bounded = self.item_bytes * self.batch >= BOUNDED_REQUEST_BYTES
 
     def _abandon(self, ticket: Ticket) -> None:
         """The ticket missed its deadline: forget it (a late result is ignored)."""
@@ -308,16 +316,17 @@ class Prefetcher:
             if value is not _NOTHING:
                 self.prefetch_hits += 1
             return value
+        source = self.source
         if not ticket.done:
-            self._deliver(self.source.advance(ticket))
+            self._deliver(source.advance(ticket) if self.bounded else source.poll())
         stalled = not ticket.done
         if stalled:  # not here yet: a real stall
             self.stalls += 1
             started = time.perf_counter()
-            if not self.source.wait(ticket):
+            if not source.wait(ticket):
                 self._abandon(ticket)
             self.stall_us += int((time.perf_counter() - started) * 1e6)
-        self._deliver(self.source.advance(ticket))
+        self._deliver(source.advance(ticket) if self.bounded else source.poll())
         value = self.ready.pop(index, _NOTHING)
         if value is _NOTHING:
             if self.strict and ticket.error is not None:
