@@ -17,7 +17,7 @@ import pytest
 
 from asynccache.__main__ import main
 
-OURS = ("core", "datapipe", "latency", "network", "local")
+OURS = ("goals", "core", "datapipe", "latency", "network", "local")
 
 
 def ratios(node: Any, path: str = "") -> Iterator[tuple[str, Any]]:
@@ -87,6 +87,18 @@ def test_smoke_run_writes_tables_json_and_plots(
     for block in local["by_size"]:
         assert set(block["cases"]) == {"lmdb", "redis-unix"}
         assert all(v > 0 for case in block["cases"].values() for v in case.values())
+
+    goals = doc["modules"]["goals"]["results"]
+    assert goals["wire"]["mb_per_s"] > 0
+    rows = {row["goal"]: row for row in goals["summary"]}
+    for size in ("256 KiB", "1 MiB", "4 MiB"):
+        assert f"{size} dp[i] MB/s vs per-key GET" in rows
+    assert "3-node cluster dp[i] vs one node, +0.2 ms" in rows
+    assert "memcached 100 B dp[i] vs emcache" in rows
+    assert "cold DataLoader epoch vs no cache (lower is better)" in rows
+    assert all(row["ours_value"] > 0 and row["peer_value"] > 0 for row in rows.values())
+    assert goals["cold"]["computed_per_rep"] == [goals["cold"]["items"]] * len(
+        goals["cold"]["computed_per_rep"])  # cold: each item computed once, warm: none
 
     found = list(ratios(doc))
     assert len(found) > 50

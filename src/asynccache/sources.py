@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import inspect
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -106,6 +107,8 @@ class SocketSource(ReadSource):
         self.policy = cache.policy
         self.loop = loop
         self.conns = reads.connections
+        #: which connections take poll(limit) (a provider's may predate it: poll() then)
+        self.limited = [_takes_limit(conn) for conn in self.conns]
         self.route = reads.route
         self.histograms = cache.histograms
         #: per connection, the ticket parts on its wire, oldest first:
@@ -166,8 +169,9 @@ class SocketSource(ReadSource):
             upto = next((n for n, (t, _, _) in enumerate(parts) if t is ticket), None)
             if upto is None:
                 continue
+            conn = self.conns[ci]
             try:
-                replies = self.conns[ci].poll(upto + 1)
+                replies = conn.poll(upto + 1) if self.limited[ci] else conn.poll()
             except StoreError as exc:
                 self._lost(ci, exc)
                 continue
@@ -235,6 +239,13 @@ class SocketSource(ReadSource):
             conn.close()
         for parts in self.parts:
             parts.clear()
+
+
+def _takes_limit(conn: Any) -> bool:
+    try:
+        return "limit" in inspect.signature(conn.poll).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 class LoopSource(ReadSource):

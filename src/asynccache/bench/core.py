@@ -15,9 +15,10 @@ requests in flight, on uvloop, in the main thread:
   concurrent ``cache.get(key)`` calls, against a hand-written coalescer; and
   ``get() x N gathered``: all keys at once (100 B only).
 
-The ratio asynccache / hand-written (items/s over items/s, same run) has a target of
->= 0.8. A micro section times the per-item pieces (codec decode vs pickle.loads, store
-key building) to attribute any gap. Throughput only: per-item latency is in ``latency``.
+Reported: the ratio asynccache / hand-written (items/s over items/s, same run); the
+README states the goals it is read against. A micro section times the per-item pieces
+(codec decode vs pickle.loads, store key building) to attribute any gap. Throughput
+only: per-item latency is in ``latency``.
 """
 
 from __future__ import annotations
@@ -56,7 +57,6 @@ from .peers import delete_keys, hand_written_mget, write_plain
 
 BATCH = 64
 IN_FLIGHT = 4
-TARGET_RATIO = 0.8
 
 MICRO_SIZES = (100, 4096, 64 * 1024, 1 << 20)
 # name, value size, keys: full, quick, smoke
@@ -206,7 +206,6 @@ def run(
                 "in_flight": IN_FLIGHT,
                 "reps": s.reps,
                 "loop": "uvloop",
-                "target_ratio": TARGET_RATIO,
                 "mode": s.mode,
             },
             "workloads": {},
@@ -359,15 +358,11 @@ def table(results: dict[str, Any]) -> str:
             ],
         )
     )
-    out += ["", f"Target: asynccache get_many / hand-written >= {TARGET_RATIO}:", ""]
+    out += ["", "asynccache get_many ÷ hand-written MGET, same run:", ""]
     for label, w in results["workloads"].items():
         r = w["ratios_vs_hand_written"]["asynccache get_many"]
         c = w["cpu_ratios_vs_hand_written"]["asynccache get_many"]
-        verdict = "met" if r >= TARGET_RATIO else "MISSED"
-        line = (
-            f"- {label}: wall {r:.2f} {verdict} ({(r / TARGET_RATIO - 1) * 100:+.0f}% vs "
-            f"target); client CPU efficiency {c:.2f}"
-        )
+        line = f"- {label}: wall {r:.2f}; client CPU efficiency {c:.2f}"
         if "coalescing_ratio_vs_hand_written" in w:
             line += (
                 f"; coalescing get() x64 vs hand-written coalescer: wall "

@@ -128,6 +128,8 @@ def wire_mb_per_s(total: int, reps: int) -> dict[str, Any]:
     finally:
         proc.kill()
         proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
     times = times[1:]
     return {
         "bytes": total,

@@ -541,10 +541,10 @@ class _ConsumerConnection:
                              f"{exc}") from exc
         self.replies.append(values)
 
-    def poll(self) -> list[list[Any]]:
-        out = list(self.replies)
-        self.replies.clear()
-        return out
+    def poll(self, limit: int | None = None) -> list[list[Any]]:
+        replies = self.replies
+        n = len(replies) if limit is None else min(limit, len(replies))
+        return [replies.popleft() for _ in range(n)]
 
     def receive(self) -> list[Any]:
         if not self.replies:
