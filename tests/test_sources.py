@@ -98,3 +98,19 @@ def test_a_read_outside_the_plan_is_sent_before_the_read_ahead_it_starts(
         assert first_with_11 < ahead[0]
     finally:
         pipe.close()
+
+
+def test_read_ahead_is_per_node_on_a_cluster(redis_cluster: servers.RedisCluster,
+                                             namespace: str) -> None:
+    """prefetch counts per node: a batch spread over 3 primaries keeps each node's share
+    of it as large as one server's would be."""
+    values = [b"v%d" % i for i in range(50)]
+    pipe = ac.AsyncKVCacheMapDataPipe(values, ac.connect(redis_cluster.url), prefetch=16,
+                                      namespace=namespace)
+    try:
+        assert [pipe[i] for i in range(50)] == values
+        prefetcher = pipe._runtime().prefetcher()
+        assert prefetcher.source.fanout == len(redis_cluster.nodes) == 3
+        assert prefetcher.prefetch == 16 * 3
+    finally:
+        pipe.close()

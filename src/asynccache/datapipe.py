@@ -195,8 +195,10 @@ class _Runtime(CacheRuntime):
         pipe = self.pipe
         source = self.new_source()
         length = None if pipe._mapping is not None else self.length
-        p = Prefetcher(source, pipe.key_for, length, pipe.prefetch, self.cache.policy.strict,
-                       pipe.prefetch_bytes)
+        # prefetch is per node: a batch spread over a cluster's or a pool's nodes keeps
+        # each node's share as large as one server's (the bytes bound still holds)
+        p = Prefetcher(source, pipe.key_for, length, pipe.prefetch * source.fanout,
+                       self.cache.policy.strict, pipe.prefetch_bytes)
         p.follow_order = pipe._follow_order
         p.stale_order = True  # its first read follows the pipe's order
         self.local.prefetcher = p

@@ -72,6 +72,9 @@ class Ticket:
 class ReadSource(ABC):
     """The prefetcher's I/O, behind one interface (tests use a scripted fake)."""
 
+    #: nodes a batch is spread over (see ConsumerReads.fanout)
+    fanout = 1
+
     @abstractmethod
     def submit(self, ticket: Ticket) -> None:
         """Start reading ``ticket.keys``; returns without waiting for the store."""
@@ -107,6 +110,7 @@ class SocketSource(ReadSource):
         self.policy = cache.policy
         self.loop = loop
         self.conns = reads.connections
+        self.fanout = reads.fanout
         #: which connections take poll(limit) (a provider's may predate it: poll() then)
         self.limited = [_takes_limit(conn) for conn in self.conns]
         self.route = reads.route
@@ -332,6 +336,7 @@ class L1Source(ReadSource):
 
     def __init__(self, inner: ReadSource, cache: AsyncKVCache) -> None:
         self.inner = inner
+        self.fanout = inner.fanout
         self.cache = cache
         self.completed: list[Ticket] = []
         self.rest: dict[int, Ticket] = {}  # id(ticket) -> the ticket reading its misses

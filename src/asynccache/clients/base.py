@@ -143,6 +143,9 @@ class ConsumerReads:
 
     connections: list[BlockingGetConnection]
     route: Callable[[Sequence[bytes]], list[tuple[int, list[int]]]]
+    #: how many nodes a batch is spread over: read-ahead holds ``prefetch`` items per
+    #: node, so that each node's requests stay as large as one server's would be
+    fanout: int = 1
 
 
 # -- credentials: out of the client, its pickles and its reprs -------------------------------

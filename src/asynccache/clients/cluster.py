@@ -658,7 +658,8 @@ class RedisClusterClient(BaseClient[_ClusterState]):
         except (concurrent.futures.TimeoutError, CacheError):
             pass  # no map yet: the routes send every key to UnservedKeys until one is read
         routes = _ConsumerRoutes(self, loop)
-        return ConsumerReads(routes.conns, routes.route)
+        return ConsumerReads(routes.conns, routes.route,
+                             fanout=max(1, len(self.node_names)))
 
     async def _ready(self) -> _ClusterState:
         state = self._state()

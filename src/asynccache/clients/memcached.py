@@ -308,7 +308,7 @@ class MemcachedClient(BaseClient[_MemcachedState]):
                                         max_value=2 * self.item_size, max_batch=self.max_batch,
                                         tls=self.tls)
             for host, port in self.servers]
-        return ConsumerReads(connections, self._route)
+        return ConsumerReads(connections, self._route, fanout=len(connections))
 
     def _route(self, keys: Sequence[bytes]) -> list[tuple[int, list[int]]]:
         """Positions of ``keys`` per owning server (the connections map keys themselves)."""
