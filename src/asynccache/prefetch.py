@@ -70,7 +70,7 @@ MAX_BATCH = 256
 #: about ``prefetch_bytes / REQUESTS_PER_WINDOW`` (at least one value: a single 50 MiB
 #: value is still read, alone).
 DEFAULT_PREFETCH_BYTES = 32 << 20
-REQUESTS_PER_WINDOW = 16
+REQUESTS_PER_WINDOW = 32
 #: Until a reply has shown how large values are, the window starts this small, in
 #: requests this small (a few extra round trips once per consumer thread, instead of
 #: 2 × 32 values of unknown size, and a first value behind at most 3 others).

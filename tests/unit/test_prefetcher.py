@@ -330,8 +330,8 @@ MIB = 1 << 20
 def test_sized_window_bounds_items_by_bytes() -> None:
     assert sized_window(64, 32 * MIB, 0) == (64, 32)          # sizes unknown: items only
     assert sized_window(64, 32 * MIB, 100) == (64, 32)        # small values: unchanged
-    assert sized_window(64, 32 * MIB, 256 * 1024) == (64, 8)  # 2 MiB requests
-    assert sized_window(64, 32 * MIB, MIB) == (32, 2)
+    assert sized_window(64, 32 * MIB, 256 * 1024) == (64, 4)  # 1 MiB requests
+    assert sized_window(64, 32 * MIB, MIB) == (32, 1)
     assert sized_window(64, 32 * MIB, 4 * MIB) == (8, 1)
     assert sized_window(64, 32 * MIB, 50 * MIB) == (1, 1)     # one huge value: still read
     assert sized_window(0, 32 * MIB, MIB) == (0, 0)           # prefetch=0 stays off
@@ -350,7 +350,7 @@ def _scan(p: Prefetcher, source: ScriptedSource, n: int) -> tuple[list[Any], int
 
 
 @pytest.mark.parametrize(("value_bytes", "window", "batch"),
-                         [(100, 64, 32), (MIB, 32, 2), (4 * MIB, 8, 1), (50 * MIB, 1, 1)])
+                         [(100, 64, 32), (MIB, 32, 1), (4 * MIB, 8, 1), (50 * MIB, 1, 1)])
 def test_large_values_shrink_requests_and_window(value_bytes: int, window: int,
                                                  batch: int) -> None:
     p, source = make(full_store(200), prefetch=64, length=200, value_bytes=value_bytes)
