@@ -51,6 +51,7 @@ __all__ = [
     "pack_set",
     "pack_size",
     "safe_memcached_key",
+    "safe_memcached_keys",
     "unexpected_reply",
 ]
 
@@ -62,6 +63,8 @@ NOT_FOUND = b"NOT_FOUND"
 DELETED = b"DELETED"
 
 _SAFE_KEY = re.compile(rb"(?!ac#)[\x21-\x7e]{1,250}")
+#: Keys joined by spaces, with a space after the last, each of which _SAFE_KEY takes.
+_SAFE_KEYS = re.compile(rb"(?:(?!ac#)[\x21-\x7e]{1,250} )+")
 #: A key already in its digest form (as listed back from a server): mapped to itself.
 _HASHED_KEY = re.compile(rb"ac#[0-9a-f]{40}")
 _MAX_KEY = 250
@@ -98,6 +101,17 @@ def safe_memcached_key(key: bytes) -> bytes:
     digest = hashlib.blake2b(key, digest_size=_DIGEST_HEX // 2).hexdigest().encode()
     prefix = _namespace_prefix(key)
     return (b"ac#" if prefix is None else hashed_prefix(prefix)) + digest
+
+
+def safe_memcached_keys(keys: Sequence[bytes]) -> list[bytes]:
+    """``[safe_memcached_key(k) for k in keys]``, in one pass over all of them when every
+    key is already one memcached takes (asynccache's own keys are): one regular expression
+    over the keys joined by spaces. A key with a space inside would read as two keys, so
+    the spaces are counted too: one after each key, none within."""
+    line = b" ".join(keys) + b" "
+    if line.count(b" ") == len(keys) and _SAFE_KEYS.fullmatch(line) is not None:
+        return list(keys)
+    return [safe_memcached_key(k) for k in keys]
 
 
 def _namespace_prefix(key: bytes) -> bytes | None:
@@ -147,18 +161,25 @@ Reply = list[bytes | None] | bytes | ErrorReply
 @dataclass(frozen=True, slots=True)
 class Request:
     """One command: the buffers to send (written back to back, values not copied) and
-    what its reply must be: a get's keys, or the first words a one-line reply may have."""
+    what its reply must be: a get's keys, or the first words a one-line reply may have.
+    A get also carries, per key, how the line of its hit starts when the value has flags
+    0 and no cas (``VALUE <key> 0 ``): the parser's fast path compares whole prefixes."""
 
     buffers: tuple[bytes | memoryview, ...]
     keys: tuple[bytes, ...] | None = None
     accepts: frozenset[bytes] = frozenset()
+    heads: Sequence[bytes] = ()
 
 
 def pack_get(keys: Sequence[bytes]) -> Request:
     """``get k1 k2 …``; ``keys`` must be valid (see :func:`safe_memcached_key`) and unique."""
     if not keys:
         raise ValueError("a get needs at least one key")
-    return Request((b"get " + b" ".join(keys) + b"\r\n",), tuple(keys))
+    # valid keys hold no NUL: one join and one split make every key's line prefix
+    heads = (b"VALUE " + b" 0 \0VALUE ".join(keys) + b" 0 ").split(b"\0")
+    if len(heads) != len(keys):
+        heads = [b"VALUE %s 0 " % key for key in keys]
+    return Request((b"get " + b" ".join(keys) + b"\r\n",), tuple(keys), heads=heads)
 
 
 def pack_set(key: bytes, value: bytes | memoryview, exptime: int, flags: int = 0) -> Request:
@@ -259,7 +280,7 @@ class ReplyParser:
             return None
         self._join()
         request = self._expected[0]
-        reply = self._get_reply(request.keys) if request.keys is not None \
+        reply = self._get_reply(request) if request.keys is not None \
             else self._line_reply(request.accepts)
         if reply is not None:
             self._expected.popleft()
@@ -300,22 +321,49 @@ class ReplyParser:
             raise ProtocolViolation(f"unexpected reply {line[:80]!r}")
         return error
 
-    def _get_reply(self, keys: tuple[bytes, ...]) -> list[bytes | None] | ErrorReply | None:
+    def _get_reply(self, request: Request) -> list[bytes | None] | ErrorReply | None:
         """The hot loop (one pass per ``VALUE``), on locals; the position, the cursor and
-        the bytes consumed are written back once, however it ends."""
+        the bytes consumed are written back once, however it ends.
+
+        Fast path: the next key's hit with flags 0 and no cas, complete in the buffer
+        (what memcached sends for asynccache's own values, in request order): its line
+        is compared with the key's known prefix as a whole and only the size is read.
+        Anything else (another key, flags, a cas, a line or value still arriving, a
+        malformed line, ``END``, an error) takes the general path, which checks every
+        field and is the one that raises."""
+        keys, heads = request.keys, request.heads
+        assert keys is not None
         values = self._values
         if values is None:
             values = self._values = [None] * len(keys)
             self._cursor, self._index = 0, None
         buf, pos, cursor = self._buf, self._pos, self._cursor
         n_keys, n_buf, max_value = len(keys), len(buf), self._max_value
+        n_heads = len(heads)
+        startswith, find = buf.startswith, buf.find
         try:
             while True:
-                eol = buf.find(b"\r\n", pos)
+                if cursor < n_heads:
+                    head = heads[cursor]
+                    if startswith(head, pos):
+                        start = pos + len(head)
+                        eol = find(b"\r\n", start, start + 12)  # <= 10 digits
+                        if eol > start:
+                            digits = buf[start:eol]
+                            if digits.isdigit():
+                                size = int(digits)
+                                end = eol + 2 + size
+                                if size <= max_value and end + 2 <= n_buf \
+                                        and startswith(b"\r\n", end):
+                                    values[cursor] = buf[eol + 2:end]
+                                    cursor += 1
+                                    pos = end + 2
+                                    continue
+                eol = find(b"\r\n", pos)
                 if eol < 0:
                     self._incomplete_line(n_buf - pos)
                     return None
-                if not buf.startswith(b"VALUE ", pos):
+                if not startswith(b"VALUE ", pos):
                     break
                 header = buf[pos + 6:eol].split(b" ")  # key flags bytes [cas]
                 if len(header) not in (3, 4) or not header[2].isdigit():
