@@ -127,6 +127,54 @@ def damaged(draw: st.DrawFn, replies: st.SearchStrategy[tuple[list[bytes], bytes
     return keys, bytes(data)
 
 
+@st.composite
+def all_hits(draw: st.DrawFn) -> tuple[list[bytes], bytes]:
+    """What asynccache mostly gets: every key a hit with flags 0, in request order, small
+    values (the rest of such a reply is split in one pass); sometimes two hits swapped,
+    one with flags, a cas or a CRLF in it, a value over the bound, or a miss."""
+    keys = draw(st.lists(key_st, min_size=3, max_size=30, unique=True))
+    values = [draw(st.binary(max_size=40)) for _ in keys]
+    flags = [0] * len(keys)
+    cas = [b""] * len(keys)
+    order = list(range(len(keys)))
+    odd = draw(st.sampled_from(["none", "swap", "flags", "cas", "crlf", "big", "miss"]))
+    at = draw(st.integers(min_value=1, max_value=len(keys) - 1))
+    if odd == "swap":
+        other = draw(st.integers(min_value=1, max_value=len(keys) - 1))
+        order[at], order[other] = order[other], order[at]
+    elif odd == "flags":
+        flags[at] = 1
+    elif odd == "cas":
+        cas[at] = b" 1"
+    elif odd == "crlf":
+        values[at] += b"\r\n"
+    elif odd == "big":
+        values[at] = b"x" * (MAX_VALUE + 1)
+    elif odd == "miss":
+        del order[at]
+    stream = b"".join(b"VALUE %s %d %d%s\r\n%s\r\n" % (keys[i], flags[i], len(values[i]),
+                                                        cas[i], values[i]) for i in order)
+    return keys, stream + b"END\r\n"
+
+
+@settings(max_examples=400, deadline=None)
+@given(all_hits(), st.sampled_from([0, 0, 0, 1, 5, 64]))
+def test_replies_of_all_hits_are_parsed_as_the_reference_does(
+    case: tuple[list[bytes], bytes], step: int
+) -> None:
+    keys, stream = case
+    assert parsed(keys, stream, step) == reference(keys, stream)
+
+
+@settings(max_examples=400, deadline=None)
+@given(damaged(all_hits()), st.sampled_from([0, 0, 0, 1, 5, 64]))
+def test_damaged_replies_of_all_hits_get_the_reference_answer(
+    case: tuple[list[bytes], bytes], step: int
+) -> None:
+    keys, stream = case
+    assert parsed(keys, stream, step) == reference(keys, stream)
+
+
 @settings(max_examples=400, deadline=None)
 @given(get_replies(), st.integers(min_value=0, max_value=17))
 def test_well_formed_replies_are_parsed_as_the_reference_does(

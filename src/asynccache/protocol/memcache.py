@@ -74,6 +74,11 @@ _DELETE_WORDS = frozenset({DELETED, NOT_FOUND})
 #: meta get replies: found (``HD``; ``OK`` before memcached 1.6.10), not found (``EN``)
 _META_WORDS = frozenset({b"HD", b"OK", b"EN"})
 _ERROR_WORDS = (b"SERVER_ERROR", b"CLIENT_ERROR", b"ERROR")
+#: The rest of a get reply is split in one pass when its first value is at most this big
+#: (scanning values for CRLF costs more than reading their lines one by one beyond it),
+#: looking for its END within the next _BULK_SCAN bytes.
+_BULK_VALUE = 512
+_BULK_SCAN = 1 << 16
 
 
 def safe_memcached_key(key: bytes) -> bytes:
@@ -341,6 +346,7 @@ class ReplyParser:
         n_keys, n_buf, max_value = len(keys), len(buf), self._max_value
         n_heads = len(heads)
         startswith, find = buf.startswith, buf.find
+        bulk_tried = False
         try:
             while True:
                 if cursor < n_heads:
@@ -358,6 +364,13 @@ class ReplyParser:
                                     values[cursor] = buf[eol + 2:end]
                                     cursor += 1
                                     pos = end + 2
+                                    if size <= _BULK_VALUE and cursor < n_heads - 1 \
+                                            and not bulk_tried:
+                                        bulk_tried = True
+                                        done = _bulk_hits(buf, pos, heads, cursor, values,
+                                                          max_value)
+                                        if done >= 0:
+                                            cursor, pos = n_heads, done
                                     continue
                 eol = find(b"\r\n", pos)
                 if eol < 0:
@@ -406,6 +419,34 @@ class ReplyParser:
         if found is None:
             raise ProtocolViolation(f"a value for {key[:80]!r}, which was not asked for")
         return found
+
+
+def _bulk_hits(buf: bytes, pos: int, heads: Sequence[bytes], cursor: int,
+                values: list[bytes | None], max_value: int) -> int:
+    """The rest of a get reply of small values in one pass, when it is what memcached
+    sends for all-hits: the plain hit of every key from ``cursor`` on, in order, then
+    ``END``. Fills ``values`` and returns where ``END`` starts, or -1 (nothing changed).
+
+    ``buf[pos:]`` is cut at CRLF up to the first ``CRLF END CRLF``; it is taken only when
+    the pieces alternate exactly ``VALUE <key> 0 <len(next piece)>`` and that piece, key
+    by key. Then reading the lines one by one from ``pos`` would find the same values:
+    each line announces the length of the piece after it, and the CRLF that ends it.
+    (A value holding CRLF, a miss, flags or a cas only make this refuse.)
+    """
+    end = buf.find(b"\r\nEND\r\n", pos, pos + _BULK_SCAN)
+    if end < 0:
+        return -1
+    pieces = buf[pos:end].split(b"\r\n")
+    rest = heads[cursor:]
+    if len(pieces) != 2 * len(rest):
+        return -1
+    found = pieces[1::2]
+    if max(map(len, found)) > max_value:
+        return -1
+    if pieces[0::2] != list(map(bytes.__add__, rest, map(b"%d".__mod__, map(len, found)))):
+        return -1
+    values[cursor:] = found
+    return end + 2
 
 
 # -- what replies (and silences) mean, for both connections ------------------------------
