@@ -40,7 +40,7 @@ from ..protocol.memcache import (
     ReplyParser,
     no_answer,
     pack_get,
-    safe_memcached_key,
+    safe_memcached_keys,
     unexpected_reply,
 )
 from .base import chunked
@@ -48,6 +48,9 @@ from .endpoint import TlsSettings, closed_hint, open_stream, readable_while_idle
 
 __all__ = ["BlockingMemcachedConnection"]
 
+#: bytes asked of the kernel per read, into one buffer per connection that is reused:
+#: ``recv(n)`` would allocate (and give back) ``n`` bytes per call, 256 KiB included when a
+#: reply is a few KiB, or none at all has arrived yet
 _RECV_SIZE = 1 << 18
 _POLLIN = select.POLLIN | select.POLLERR | select.POLLHUP
 _POLLOUT = select.POLLOUT | select.POLLERR | select.POLLHUP
@@ -63,7 +66,7 @@ class _Get:
     __slots__ = ("asked", "deadline", "packed", "replies", "requests", "unique")
 
     def __init__(self, keys: Sequence[bytes], max_batch: int, deadline: float) -> None:
-        safe = [safe_memcached_key(k) for k in keys]
+        safe = safe_memcached_keys(keys)
         self.unique = list(dict.fromkeys(safe))
         #: the memcached key of every position, kept only when some key repeats
         self.asked = safe if len(self.unique) != len(safe) else None
@@ -103,6 +106,7 @@ class BlockingMemcachedConnection:
         self.max_batch = max_batch
         self.sock: socket.socket | None = None
         self.parser = ReplyParser(max_value)
+        self._inbox = memoryview(bytearray(_RECV_SIZE))
         #: requests sent and not answered yet, oldest first
         self.pending: collections.deque[_Get] = collections.deque()
         #: the pending requests were sent on a connection that had been idle and no reply
@@ -236,27 +240,27 @@ class BlockingMemcachedConnection:
         An end of stream after some bytes is left for the next call: the replies that
         did arrive are parsed first.
         """
-        sock, parser = self.sock, self.parser
+        sock, parser, inbox = self.sock, self.parser, self._inbox
         if sock is None:
             raise _Closed("connection is closed")
         tls = isinstance(sock, ssl.SSLSocket)
         fed = False
         while True:
             try:
-                data = sock.recv(_RECV_SIZE)
+                size = sock.recv_into(inbox)
             except (BlockingIOError, ssl.SSLWantReadError):
                 return _POLLIN
             except ssl.SSLWantWriteError:  # TLS must send (a key update) before it reads
                 return _POLLOUT
             except OSError as exc:  # ECONNRESET, a TLS alert, and friends
                 raise _Closed(str(exc)) from exc
-            if not data:
+            if not size:
                 if fed:
                     return _POLLIN
                 raise _Closed("closed by the server")
-            parser.feed(data)
+            parser.feed(bytes(inbox[:size]))  # values are sliced out of bytes, not views
             fed = True
-            if len(data) < _RECV_SIZE and not tls:  # TLS: one record per recv, go on
+            if size < _RECV_SIZE and not tls:  # TLS: one record per recv, go on
                 return _POLLIN
 
     def _parse(self) -> list[bytes | None] | None:

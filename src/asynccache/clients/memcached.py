@@ -65,6 +65,7 @@ from ..protocol.memcache import (
     pack_set,
     pack_size,
     safe_memcached_key,
+    safe_memcached_keys,
     unexpected_reply,
 )
 from .base import (
@@ -343,7 +344,7 @@ class MemcachedClient(BaseClient[_MemcachedState]):
     def _per_node(self, keys: Sequence[bytes]
                   ) -> Mapping[int, tuple[Sequence[int], list[bytes]]]:
         """Per owning server: the positions of its keys, and those keys for memcached."""
-        safe = [safe_memcached_key(k) for k in keys]
+        safe = safe_memcached_keys(keys)
         if len(self._node_names) == 1:
             return {0: (range(len(safe)), safe)}
         groups: dict[int, tuple[list[int], list[bytes]]] = {}
@@ -372,6 +373,10 @@ class MemcachedClient(BaseClient[_MemcachedState]):
         if len(unique) != len(safe):  # repeated keys: every position gets its key's value
             by_key = dict(zip(unique, found))
             found = (by_key[key] for key in safe)
+        elif type(positions) is range and positions.step == 1:  # one node: all of them
+            values[positions.start:positions.stop] = replies[0] if len(replies) == 1 \
+                else found
+            return None
         for position, value in zip(positions, found):
             values[position] = value
         return None

@@ -51,6 +51,7 @@ __all__ = [
     "pack_set",
     "pack_size",
     "safe_memcached_key",
+    "safe_memcached_keys",
     "unexpected_reply",
 ]
 
@@ -62,6 +63,8 @@ NOT_FOUND = b"NOT_FOUND"
 DELETED = b"DELETED"
 
 _SAFE_KEY = re.compile(rb"(?!ac#)[\x21-\x7e]{1,250}")
+#: Keys joined by spaces, with a space after the last, each of which _SAFE_KEY takes.
+_SAFE_KEYS = re.compile(rb"(?:(?!ac#)[\x21-\x7e]{1,250} )+")
 #: A key already in its digest form (as listed back from a server): mapped to itself.
 _HASHED_KEY = re.compile(rb"ac#[0-9a-f]{40}")
 _MAX_KEY = 250
@@ -71,6 +74,11 @@ _DELETE_WORDS = frozenset({DELETED, NOT_FOUND})
 #: meta get replies: found (``HD``; ``OK`` before memcached 1.6.10), not found (``EN``)
 _META_WORDS = frozenset({b"HD", b"OK", b"EN"})
 _ERROR_WORDS = (b"SERVER_ERROR", b"CLIENT_ERROR", b"ERROR")
+#: The rest of a get reply is split in one pass when its first value is at most this big
+#: (scanning values for CRLF costs more than reading their lines one by one beyond it),
+#: looking for its END within the next _BULK_SCAN bytes.
+_BULK_VALUE = 512
+_BULK_SCAN = 1 << 16
 
 
 def safe_memcached_key(key: bytes) -> bytes:
@@ -98,6 +106,17 @@ def safe_memcached_key(key: bytes) -> bytes:
     digest = hashlib.blake2b(key, digest_size=_DIGEST_HEX // 2).hexdigest().encode()
     prefix = _namespace_prefix(key)
     return (b"ac#" if prefix is None else hashed_prefix(prefix)) + digest
+
+
+def safe_memcached_keys(keys: Sequence[bytes]) -> list[bytes]:
+    """``[safe_memcached_key(k) for k in keys]``, in one pass over all of them when every
+    key is already one memcached takes (asynccache's own keys are): one regular expression
+    over the keys joined by spaces. A key with a space inside would read as two keys, so
+    the spaces are counted too: one after each key, none within."""
+    line = b" ".join(keys) + b" "
+    if line.count(b" ") == len(keys) and _SAFE_KEYS.fullmatch(line) is not None:
+        return list(keys)
+    return [safe_memcached_key(k) for k in keys]
 
 
 def _namespace_prefix(key: bytes) -> bytes | None:
@@ -147,18 +166,25 @@ Reply = list[bytes | None] | bytes | ErrorReply
 @dataclass(frozen=True, slots=True)
 class Request:
     """One command: the buffers to send (written back to back, values not copied) and
-    what its reply must be: a get's keys, or the first words a one-line reply may have."""
+    what its reply must be: a get's keys, or the first words a one-line reply may have.
+    A get also carries, per key, how the line of its hit starts when the value has flags
+    0 and no cas (``VALUE <key> 0 ``): the parser's fast path compares whole prefixes."""
 
     buffers: tuple[bytes | memoryview, ...]
     keys: tuple[bytes, ...] | None = None
     accepts: frozenset[bytes] = frozenset()
+    heads: Sequence[bytes] = ()
 
 
 def pack_get(keys: Sequence[bytes]) -> Request:
     """``get k1 k2 …``; ``keys`` must be valid (see :func:`safe_memcached_key`) and unique."""
     if not keys:
         raise ValueError("a get needs at least one key")
-    return Request((b"get " + b" ".join(keys) + b"\r\n",), tuple(keys))
+    # valid keys hold no NUL: one join and one split make every key's line prefix
+    heads = (b"VALUE " + b" 0 \0VALUE ".join(keys) + b" 0 ").split(b"\0")
+    if len(heads) != len(keys):
+        heads = [b"VALUE %s 0 " % key for key in keys]
+    return Request((b"get " + b" ".join(keys) + b"\r\n",), tuple(keys), heads=heads)
 
 
 def pack_set(key: bytes, value: bytes | memoryview, exptime: int, flags: int = 0) -> Request:
@@ -259,7 +285,7 @@ class ReplyParser:
             return None
         self._join()
         request = self._expected[0]
-        reply = self._get_reply(request.keys) if request.keys is not None \
+        reply = self._get_reply(request) if request.keys is not None \
             else self._line_reply(request.accepts)
         if reply is not None:
             self._expected.popleft()
@@ -300,22 +326,57 @@ class ReplyParser:
             raise ProtocolViolation(f"unexpected reply {line[:80]!r}")
         return error
 
-    def _get_reply(self, keys: tuple[bytes, ...]) -> list[bytes | None] | ErrorReply | None:
+    def _get_reply(self, request: Request) -> list[bytes | None] | ErrorReply | None:
         """The hot loop (one pass per ``VALUE``), on locals; the position, the cursor and
-        the bytes consumed are written back once, however it ends."""
+        the bytes consumed are written back once, however it ends.
+
+        Fast path: the next key's hit with flags 0 and no cas, complete in the buffer
+        (what memcached sends for asynccache's own values, in request order): its line
+        is compared with the key's known prefix as a whole and only the size is read.
+        Anything else (another key, flags, a cas, a line or value still arriving, a
+        malformed line, ``END``, an error) takes the general path, which checks every
+        field and is the one that raises."""
+        keys, heads = request.keys, request.heads
+        assert keys is not None
         values = self._values
         if values is None:
             values = self._values = [None] * len(keys)
             self._cursor, self._index = 0, None
         buf, pos, cursor = self._buf, self._pos, self._cursor
         n_keys, n_buf, max_value = len(keys), len(buf), self._max_value
+        n_heads = len(heads)
+        startswith, find = buf.startswith, buf.find
+        bulk_tried = False
         try:
             while True:
-                eol = buf.find(b"\r\n", pos)
+                if cursor < n_heads:
+                    head = heads[cursor]
+                    if startswith(head, pos):
+                        start = pos + len(head)
+                        eol = find(b"\r\n", start, start + 12)  # <= 10 digits
+                        if eol > start:
+                            digits = buf[start:eol]
+                            if digits.isdigit():
+                                size = int(digits)
+                                end = eol + 2 + size
+                                if size <= max_value and end + 2 <= n_buf \
+                                        and startswith(b"\r\n", end):
+                                    values[cursor] = buf[eol + 2:end]
+                                    cursor += 1
+                                    pos = end + 2
+                                    if size <= _BULK_VALUE and cursor < n_heads - 1 \
+                                            and not bulk_tried:
+                                        bulk_tried = True
+                                        done = _bulk_hits(buf, pos, heads, cursor, values,
+                                                          max_value)
+                                        if done >= 0:
+                                            cursor, pos = n_heads, done
+                                    continue
+                eol = find(b"\r\n", pos)
                 if eol < 0:
                     self._incomplete_line(n_buf - pos)
                     return None
-                if not buf.startswith(b"VALUE ", pos):
+                if not startswith(b"VALUE ", pos):
                     break
                 header = buf[pos + 6:eol].split(b" ")  # key flags bytes [cas]
                 if len(header) not in (3, 4) or not header[2].isdigit():
@@ -358,6 +419,34 @@ class ReplyParser:
         if found is None:
             raise ProtocolViolation(f"a value for {key[:80]!r}, which was not asked for")
         return found
+
+
+def _bulk_hits(buf: bytes, pos: int, heads: Sequence[bytes], cursor: int,
+                values: list[bytes | None], max_value: int) -> int:
+    """The rest of a get reply of small values in one pass, when it is what memcached
+    sends for all-hits: the plain hit of every key from ``cursor`` on, in order, then
+    ``END``. Fills ``values`` and returns where ``END`` starts, or -1 (nothing changed).
+
+    ``buf[pos:]`` is cut at CRLF up to the first ``CRLF END CRLF``; it is taken only when
+    the pieces alternate exactly ``VALUE <key> 0 <len(next piece)>`` and that piece, key
+    by key. Then reading the lines one by one from ``pos`` would find the same values:
+    each line announces the length of the piece after it, and the CRLF that ends it.
+    (A value holding CRLF, a miss, flags or a cas only make this refuse.)
+    """
+    end = buf.find(b"\r\nEND\r\n", pos, pos + _BULK_SCAN)
+    if end < 0:
+        return -1
+    pieces = buf[pos:end].split(b"\r\n")
+    rest = heads[cursor:]
+    if len(pieces) != 2 * len(rest):
+        return -1
+    found = pieces[1::2]
+    if max(map(len, found)) > max_value:
+        return -1
+    if pieces[0::2] != list(map(bytes.__add__, rest, map(b"%d".__mod__, map(len, found)))):
+        return -1
+    values[cursor:] = found
+    return end + 2
 
 
 # -- what replies (and silences) mean, for both connections ------------------------------
