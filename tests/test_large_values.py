@@ -173,3 +173,31 @@ def test_damaged_large_values_are_misses_never_wrong(
     finally:
         raw.close()
         pipe.close()
+
+
+@pytest.mark.parametrize("kind", ["redis", "memcached"])
+@pytest.mark.parametrize("size", [200, BIG, 512 << 10])
+def test_a_consumer_away_longer_than_the_timeout_gets_its_read_ahead(
+    request: pytest.FixtureRequest, namespace: str, kind: str, size: int
+) -> None:
+    """A training step longer than ``timeout`` between reads: the read-ahead sent before
+    it sits in the socket (or, held back by a full socket, in the server); that is not
+    a slow server, so it is read, not timed out."""
+    server = request.getfixturevalue(f"{kind}_server")
+    values = _values(64, size)
+    source = Computed(values)
+    pipe = ac.AsyncKVCacheMapDataPipe(source, ac.connect(server.url, timeout=0.3),
+                                      prefetch=64, prefetch_bytes=64 << 20,
+                                      namespace=namespace)
+    try:
+        _warm(pipe, len(values))
+        source.calls = 0
+        for i in range(len(values)):
+            assert pipe[i] == values[i]
+            if i % 16 == 1:
+                time.sleep(0.5)  # away: read-ahead of up to 64 values is in flight
+        assert source.calls == 0
+        stats = pipe.stats()
+        assert stats["timeouts"] == 0 and stats["errors"] == 0
+    finally:
+        pipe.close()

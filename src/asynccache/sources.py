@@ -44,6 +44,9 @@ from .loop import LoopThread
 
 __all__ = ["L1Source", "LoopSource", "ReadSource", "SocketSource", "Ticket"]
 
+#: a consumer that did not call into its source for this long was away (see resume)
+AWAY = 0.05
+
 
 class Ticket:
     """One read of a batch of keys, from submission to its values."""
@@ -120,8 +123,26 @@ class SocketSource(ReadSource):
         self.parts: list[collections.deque[tuple[Ticket, list[int] | None, int]]] = [
             collections.deque() for _ in self.conns]
         self.completed: list[Ticket] = []
+        #: connections that can extend their deadlines (a provider's may not)
+        self.extendable = [conn for conn in self.conns if hasattr(conn, "extend_deadlines")]
+        self.timeout = cache.client.timeout
+        self.looked = 0.0  # time.monotonic() at the end of the last call into this source
+
+    def resume(self) -> None:
+        """Deadlines run while the consumer is here. Back from longer than ``AWAY``
+        elsewhere (a training step longer than ``timeout``), its read-ahead's replies
+        may sit in the sockets, or behind them in the servers that the full sockets hold
+        back: not a slow server, so every pending request gets ``timeout`` from now. A
+        consumer that is waiting, here, on one node keeps every node's clock running: a
+        trickling pool costs one ``timeout``, not one per node."""
+        now = time.monotonic()
+        if now - self.looked > AWAY:
+            at_least = now + self.timeout
+            for conn in self.extendable:
+                conn.extend_deadlines(at_least)
 
     def submit(self, ticket: Ticket) -> None:
+        self.resume()
         keys = ticket.keys
         ticket.values = [NOT_READ] * len(keys)
         down = self.policy.down()
@@ -150,8 +171,16 @@ class SocketSource(ReadSource):
             self.policy.skipped(skipped)
         if not ticket.remaining:
             self._finish(ticket)
+        self.looked = time.monotonic()
 
     def poll(self) -> list[Ticket]:
+        self.resume()
+        try:
+            return self._poll()
+        finally:
+            self.looked = time.monotonic()
+
+    def _poll(self) -> list[Ticket]:
         for ci, conn in enumerate(self.conns):
             if not self.parts[ci]:
                 continue
@@ -166,6 +195,13 @@ class SocketSource(ReadSource):
         return completed
 
     def advance(self, ticket: Ticket) -> list[Ticket]:
+        self.resume()
+        try:
+            return self._advance(ticket)
+        finally:
+            self.looked = time.monotonic()
+
+    def _advance(self, ticket: Ticket) -> list[Ticket]:
         for ci, parts in enumerate(self.parts):
             if ticket.done:
                 break
@@ -185,6 +221,13 @@ class SocketSource(ReadSource):
         return completed
 
     def wait(self, ticket: Ticket) -> bool:
+        self.resume()
+        try:
+            return self._wait_for(ticket)
+        finally:
+            self.looked = time.monotonic()
+
+    def _wait_for(self, ticket: Ticket) -> bool:
         while not ticket.done:
             ci = next(ci for ci, parts in enumerate(self.parts)
                       if any(t is ticket for t, _, _ in parts))

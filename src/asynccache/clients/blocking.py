@@ -236,6 +236,13 @@ class BlockingRespConnection:
             raise self._timeout()
         return out
 
+    def extend_deadlines(self, at_least: float) -> None:
+        """Give every pending request until ``at_least`` (the consumer was away: see
+        :meth:`asynccache.sources.SocketSource.resume`)."""
+        pending = self.pending
+        if pending and pending[0][0] < at_least:
+            self.pending = collections.deque((max(d, at_least), p) for d, p in pending)
+
     def receive(self) -> list[Any]:
         """The next MGET reply, waiting at most until the oldest request's deadline."""
         if self.stash:

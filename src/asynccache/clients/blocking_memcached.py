@@ -211,6 +211,12 @@ class BlockingMemcachedConnection:
             raise self._timeout()
         return out
 
+    def extend_deadlines(self, at_least: float) -> None:
+        """Give every pending request until ``at_least`` (the consumer was away: see
+        :meth:`asynccache.sources.SocketSource.resume`)."""
+        for get in self.pending:
+            get.deadline = max(get.deadline, at_least)
+
     def receive(self) -> list[bytes | None]:
         """The next multi-get reply, waiting at most until the oldest request's deadline."""
         if not self.pending:
