@@ -195,12 +195,17 @@ class BlockingMemcachedConnection:
         blocking."""
         if not self.pending:
             return []
-        out = []
+        want = len(self.pending) if limit is None else min(limit, len(self.pending))
+        out: list[list[bytes | None]] = []
         try:
-            self._recv_available()
-            while (self.pending and (limit is None or len(out) < limit)
-                   and (values := self._parse()) is not None):
-                out.append(self._accept(values))
+            while len(out) < want:
+                values = self._parse()
+                if values is not None:
+                    out.append(self._accept(values))
+                elif self._recv_available() != 0:  # the kernel is drained: parse, stop
+                    while len(out) < want and (values := self._parse()) is not None:
+                        out.append(self._accept(values))
+                    break
         except _Closed as exc:
             self._retry_or_fail(exc)
             return out + self.poll(None if limit is None else limit - len(out))
@@ -227,10 +232,11 @@ class BlockingMemcachedConnection:
                 values = self._parse()
                 if values is not None:
                     return self._accept(values)
-                try:
-                    self._wait(events, self.pending[0].deadline, "answer")
-                except StoreTimeout:
-                    raise self._timeout() from None
+                if events:  # the kernel had nothing more: wait for it
+                    try:
+                        self._wait(events, self.pending[0].deadline, "answer")
+                    except StoreTimeout:
+                        raise self._timeout() from None
                 events = self._recv_available()
         except _Closed as exc:
             self._retry_or_fail(exc)
@@ -240,8 +246,12 @@ class BlockingMemcachedConnection:
             raise
 
     def _recv_available(self) -> int:
-        """Feed the parser everything the kernel (and the SSL object) holds for us, never
-        blocking; the poll events to wait for before more can arrive.
+        """Feed the parser what the kernel (and the SSL object) holds for us, about
+        ``_RECV_SIZE`` bytes at most, never blocking: 0 when more may be waiting (parse,
+        then call again), else the poll events to wait for before more can arrive. The
+        budget keeps the parser's unparsed rest to about one reply: it joins that rest
+        with what arrives, so a buffer of many large replies parsed one at a time would
+        be copied once per reply.
 
         An end of stream after some bytes is left for the next call: the replies that
         did arrive are parsed first.
@@ -251,6 +261,7 @@ class BlockingMemcachedConnection:
             raise _Closed("connection is closed")
         tls = isinstance(sock, ssl.SSLSocket)
         fed = False
+        total = 0
         while True:
             try:
                 size = sock.recv_into(inbox)
@@ -268,6 +279,9 @@ class BlockingMemcachedConnection:
             fed = True
             if size < _RECV_SIZE and not tls:  # TLS: one record per recv, go on
                 return _POLLIN
+            total += size
+            if total >= _RECV_SIZE:
+                return 0
 
     def _parse(self) -> list[bytes | None] | None:
         """The oldest request's values if all its ``get`` lines were answered, else None."""
