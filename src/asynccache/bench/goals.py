@@ -25,7 +25,6 @@ repetitions); the README states the goals and the bars, this module only measure
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import socket
@@ -33,7 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,9 +56,9 @@ from ._common import (
     session_for,
     time_async_batches,
 )
-from .latency import Ours, Workload
+from .latency import Ours, Workload, readers
 from .network import ProxyProcess, ping_us
-from .peers import delete_keys, peers_for
+from .peers import delete_keys
 
 KIB, MIB = 1024, 1 << 20
 LARGE_SIZES = (256 * KIB, MIB, 4 * MIB)
@@ -208,7 +207,7 @@ def _large(
 ) -> dict[str, Any]:
     bar.set_description(f"goals: {fmt_size(size)} values")
     n = max(8, LARGE_BYTES[mode] // size)
-    with Workload(s, store, size, n, "goal-large", runner) as w, _readers(store, w, runner) as (
+    with Workload(s, store, size, n, "goal-large", runner) as w, readers(store, w, runner) as (
         ours,
         peers,
     ):
@@ -221,7 +220,7 @@ def _small(
 ) -> dict[str, Any]:
     bar.set_description(f"goals: {fmt_size(size)} values")
     n = SMALL_ITEMS[mode]
-    with Workload(s, store, size, n, "goal-small", runner) as w, _readers(store, w, runner) as (
+    with Workload(s, store, size, n, "goal-small", runner) as w, readers(store, w, runner) as (
         ours,
         peers,
     ):
@@ -238,7 +237,7 @@ def _memcached(
 ) -> dict[str, Any]:
     bar.set_description(f"goals: memcached {fmt_size(size)}")
     n = SMALL_ITEMS[mode]
-    with Workload(s, store, size, n, "goal-mc", runner) as w, _readers(store, w, runner) as (
+    with Workload(s, store, size, n, "goal-mc", runner) as w, readers(store, w, runner) as (
         ours,
         peers,
     ):
@@ -253,19 +252,6 @@ def _memcached(
             return {"value_bytes": size, "items": n, "cases": _timed(cases, s, bar)}
         finally:
             em.close()
-
-
-@contextlib.contextmanager
-def _readers(store: Store, w: Workload, runner: UvloopRunner) -> Iterator[tuple[Ours, Any]]:
-    ours = Ours(store, runner, w.namespace, w.values, w.ttl)
-    peers = peers_for(store, runner, IN_FLIGHT)
-    try:
-        yield ours, peers
-    finally:
-        try:
-            ours.close()
-        finally:
-            peers.close()
 
 
 class Emcache:
