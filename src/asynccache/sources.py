@@ -181,18 +181,22 @@ class SocketSource(ReadSource):
             self.looked = time.monotonic()
 
     def _poll(self) -> list[Ticket]:
-        for ci, conn in enumerate(self.conns):
-            if not self.parts[ci]:
-                continue
-            try:
-                replies = conn.poll()
-            except StoreError as exc:
-                self._lost(ci, exc)
-                continue
-            for reply in replies:
-                self._arrived(ci, reply)
+        for ci in range(len(self.conns)):
+            if self.parts[ci]:
+                self._read(ci, None)
         completed, self.completed = self.completed, []
         return completed
+
+    def _read(self, ci: int, limit: int | None) -> None:
+        """The replies connection ``ci`` has (at most ``limit``), matched to their parts."""
+        conn = self.conns[ci]
+        try:
+            replies = conn.poll(limit) if limit is not None and self.limited[ci] else conn.poll()
+        except StoreError as exc:
+            self._lost(ci, exc)
+            return
+        for reply in replies:
+            self._arrived(ci, reply)
 
     def advance(self, ticket: Ticket) -> list[Ticket]:
         self.resume()
@@ -207,16 +211,8 @@ class SocketSource(ReadSource):
                 break
             # replies come in order: parse this connection only up to the ticket's part
             upto = next((n for n, (t, _, _) in enumerate(parts) if t is ticket), None)
-            if upto is None:
-                continue
-            conn = self.conns[ci]
-            try:
-                replies = conn.poll(upto + 1) if self.limited[ci] else conn.poll()
-            except StoreError as exc:
-                self._lost(ci, exc)
-                continue
-            for reply in replies:
-                self._arrived(ci, reply)
+            if upto is not None:
+                self._read(ci, upto + 1)
         completed, self.completed = self.completed, []
         return completed
 
