@@ -178,6 +178,41 @@ def test_trickle_splits_and_lifting_it_wakes_the_writer(
         assert time.perf_counter() - start >= 0.15  # 5 pieces, 4 pauses
 
 
+def test_trickle_budget_is_per_window_not_per_read() -> None:
+    """A reply the server writes in two parts still gets the window's whole budget at once.
+
+    This was a CI flake: a 256 KiB reply read by the proxy as 20 KiB and then the rest used
+    up the window on the short first piece, and the client waited the full period.
+    """
+    first, rest = b"a" * 20_000, b"b" * 200_000
+    listener = socket.create_server(("127.0.0.1", 0))
+    sent_rest = threading.Event()
+
+    def upstream() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(100)
+            conn.sendall(first)
+            time.sleep(0.1)  # the proxy has forwarded `first` as a piece of its own by now
+            conn.sendall(rest)
+            sent_rest.set()
+            conn.recv(100)  # until the client closes
+
+    thread = threading.Thread(target=upstream, daemon=True)
+    thread.start()
+    with listener, FaultProxy("127.0.0.1", listener.getsockname()[1]) as prx:
+        prx.set_trickle(64 * 1024, 30)
+        with socket.create_connection(("127.0.0.1", prx.port), timeout=5) as sock:
+            sock.sendall(b"GO\r\n")
+            got = recv_exactly(sock, 64 * 1024)  # a whole window's budget, in two parts
+            assert got == first + rest[: 64 * 1024 - len(first)]
+            assert sent_rest.is_set()
+            sock.settimeout(0.3)
+            with pytest.raises(TimeoutError):
+                sock.recv(1)  # ... and not a byte more within the window
+    thread.join(5)
+
+
 def test_trickle_up_and_both_compose_with_latency_in_order(proxy: FaultProxy) -> None:
     values = {f"t{i}": os.urandom(10_000 + i) for i in range(8)}  # ~80 KB: >= 5 pieces up
     with client(proxy) as r:

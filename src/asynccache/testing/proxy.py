@@ -14,13 +14,13 @@ slow link (100 pipelined requests at 1 ms RTT take ~1 ms, not 100 ms), and one w
 per direction keeps the byte order.
 
 A trickle (``set_trickle(nbytes, every)``) models a link so slow that a large reply
-arrives in pieces: the writer forwards at most ``nbytes`` at a time, at least ``every``
-seconds apart, in the chosen direction(s). Due bytes from several chunks are coalesced
-into one piece and a larger chunk is split, so the rate is the configured one whatever
-sizes the reads return. It sits after the latency stage (a byte is first due, then
-waits for its piece), so the two compose. Changing or lifting the trickle wakes a
-writer that is pausing between pieces: the new setting governs every byte not yet
-forwarded as soon as the call returns. It reproduces what a per-read socket timeout
+arrives in pieces: the writer forwards at most ``nbytes`` per window of ``every``
+seconds, in the chosen direction(s). Due bytes from several chunks are coalesced into
+one piece, a larger chunk is split, and bytes that arrive later in a window use what is
+left of its budget, so the rate is the configured one whatever sizes the reads return.
+It sits after the latency stage (a byte is first due, then waits for its piece), so the
+two compose. Changing or lifting the trickle wakes a writer that is pausing between
+pieces: the new setting governs every byte not yet forwarded as soon as the call returns. It reproduces what a per-read socket timeout
 cannot catch: every read gets data within the timeout, the whole reply takes far longer.
 
 It only ever listens on and connects to loopback addresses: it is a test tool, and
@@ -109,7 +109,12 @@ class _Direction:
         pending = bytearray()  # due bytes the trickle has not let through yet
         held: tuple[float, bytes] | None = None  # taken off the queue to coalesce, not due
         ended = False  # the reader's end mark has been taken off the queue
-        last_piece = -math.inf  # when the trickle last let a piece through
+        # The trickle lets through at most nbytes per window of `every` seconds. A budget,
+        # not one piece per window: a reply that arrives in several reads still gets
+        # its whole nbytes at once, however the server's bytes were split.
+        window_end = -math.inf
+        budget = 0  # bytes the current window may still forward
+        window_setting: tuple[int, float] | None = None  # the setting it was opened for
         try:
             while True:
                 if not pending:
@@ -146,13 +151,15 @@ class _Direction:
                         pending += item[1]
                     else:
                         held = item
-                wait = last_piece + every - loop.time()
-                if wait > 0:
-                    await self._pause(wait)
+                now = loop.time()
+                if trickle != window_setting or now >= window_end:
+                    window_setting, window_end, budget = trickle, now + every, nbytes
+                if budget <= 0:
+                    await self._pause(window_end - now)
                     continue  # the setting may have changed, more bytes may be due
-                piece = bytes(pending[:nbytes])
-                del pending[:nbytes]
-                last_piece = loop.time()
+                piece = bytes(pending[:budget])
+                del pending[:budget]
+                budget -= len(piece)
                 await self._send(piece)
                 self.busy = bool(pending) or held is not None
         except OSError:
