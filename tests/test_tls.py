@@ -308,7 +308,7 @@ def test_bytes_held_by_the_ssl_object_count_as_readable(tls_redis: servers.Redis
         assert poller.poll(100) == []  # the kernel has nothing more: poll alone would hang
         started = time.monotonic()
         assert wait_ready(sock, select.POLLIN, 1.0)
-        assert time.monotonic() - started < 0.05
+        assert time.monotonic() - started < 0.5  # not the 1 s the poll would wait
 
 
 def test_a_readiness_check_does_not_wait(tls_redis: servers.RedisServer,

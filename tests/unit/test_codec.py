@@ -849,7 +849,7 @@ def test_forged_manifest_is_refused_before_anything_is_allocated(
     exc, peak, elapsed = decode_hostile(Codec(), seal(F_MANIFEST, payload))
     assert match in str(exc)
     assert peak < 64 << 10
-    assert elapsed < 0.01
+    assert elapsed < 0.1  # work in proportion to the claim would take seconds
 
 
 @pytest.mark.parametrize(
@@ -867,7 +867,7 @@ def test_forged_buffer_table_is_refused_fast(table: bytes, match: str) -> None:
         exc, peak, elapsed = decode_hostile(Codec(), seal(F_OOB, payload))
         assert match in str(exc)
         assert peak < 64 << 10
-        assert elapsed < 0.01
+        assert elapsed < 0.1
 
 
 def test_value_too_large_on_encode() -> None:
