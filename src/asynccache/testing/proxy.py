@@ -20,8 +20,9 @@ one piece, a larger chunk is split, and bytes that arrive later in a window use 
 left of its budget, so the rate is the configured one whatever sizes the reads return.
 It sits after the latency stage (a byte is first due, then waits for its piece), so the
 two compose. Changing or lifting the trickle wakes a writer that is pausing between
-pieces: the new setting governs every byte not yet forwarded as soon as the call returns. It reproduces what a per-read socket timeout
-cannot catch: every read gets data within the timeout, the whole reply takes far longer.
+pieces: the new setting governs every byte not yet forwarded as soon as the call returns.
+It reproduces what a per-read socket timeout cannot catch: every read gets data within
+the timeout, the whole reply takes far longer.
 
 It only ever listens on and connects to loopback addresses: it is a test tool, and
 must never become an open relay.
