@@ -252,8 +252,9 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
     indices that will be read next: a list, tuple, numpy array, tensor, sampler, or an
     iterator (which is consumed once, here, and reused every epoch); it is re-iterated
     when used up. ``prefetch=0`` disables read-ahead; ``prefetch_bytes`` bounds it in
-    bytes too (per reading thread, learned from the sizes of the values read: 64 small
-    items, or 8 values of 4 MiB with the default 32 MiB). ``lease`` (seconds): each miss
+    bytes too (per reading thread, learned from the sizes of the values read: 8 values
+    of 4 MiB with the default 32 MiB), and grows up to 4 x ``prefetch`` for values so
+    small that the window stays within 1 MiB (256 items of 100 B). ``lease`` (seconds): each miss
     is computed by one process while the others wait for its value (see
     :class:`~asynccache.core.AsyncKVCache`). ``l1_bytes``: an in-process LRU of that many
     bytes of encoded values in front of the store, for items reused within a process

@@ -49,7 +49,9 @@ from .prefetch import (
     DEFAULT_PREFETCH_BYTES,
     FIRST_BATCH,
     FIRST_WINDOW,
+    WINDOW_GROWTH,
     batch_size_for,
+    full_window,
     learned,
     sized_window,
     small_item_bytes,
@@ -238,9 +240,11 @@ class CachedMapper(BaseNode[T]):
         # first window until a reply shows the sizes, then sized by them
         self.prefetch_bytes = prefetch_bytes
         self._prefetch = max(1, prefetch)
+        self._growth = WINDOW_GROWTH if prefetch > 0 else 1  # 0: one item at a time
         self._item_bytes = 0.0
-        self._small_item = small_item_bytes(self._prefetch, prefetch_bytes)
-        self._full_batch = batch_size_for(self._prefetch)
+        self._small_item = small_item_bytes(self._prefetch, prefetch_bytes, self._growth)
+        self._full_window = full_window(self._prefetch, self._growth)  # grown: small values
+        self._full_batch = batch_size_for(self._full_window)
         self._window = min(self._prefetch, FIRST_WINDOW)
         self._batch = min(batch_size_for(self._window), FIRST_BATCH)
         self._rt: _NodeRuntime | None = None
@@ -348,12 +352,12 @@ class CachedMapper(BaseNode[T]):
         for ticket in tickets:
             if ticket.abandoned or not ticket.indices:
                 continue
-            if (self._batch < self._full_batch or self._window < self._prefetch
+            if (self._batch < self._full_batch or self._window < self._full_window
                     or ticket.nbytes > self._small_item * len(ticket.indices)):
                 self._item_bytes = learned(self._item_bytes, ticket.nbytes,
                                            len(ticket.indices))
                 self._window, self._batch = sized_window(
-                    self._prefetch, self.prefetch_bytes, self._item_bytes)
+                    self._prefetch, self.prefetch_bytes, self._item_bytes, self._growth)
         rt = self._rt
         pool = rt.executor() if rt is not None else None
         if pool is None:

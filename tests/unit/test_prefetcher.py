@@ -15,7 +15,14 @@ import pytest
 import asynccache as ac
 from asynccache.clients.base import NOT_READ
 from asynccache.core import MISSING, Failed
-from asynccache.prefetch import FIRST_BATCH, FIRST_WINDOW, Prefetcher, batch_size_for, sized_window
+from asynccache.prefetch import (
+    FIRST_BATCH,
+    FIRST_WINDOW,
+    SMALL_WINDOW_BYTES,
+    Prefetcher,
+    batch_size_for,
+    sized_window,
+)
 from asynccache.sources import ReadSource, Ticket
 
 
@@ -329,7 +336,13 @@ MIB = 1 << 20
 
 def test_sized_window_bounds_items_by_bytes() -> None:
     assert sized_window(64, 32 * MIB, 0) == (64, 32)          # sizes unknown: items only
-    assert sized_window(64, 32 * MIB, 100) == (64, 32)        # small values: unchanged
+    # small values: the window grows to 4 x prefetch while it holds at most 1 MiB
+    assert sized_window(64, 32 * MIB, 100) == (256, 128)
+    assert sized_window(64, 32 * MIB, 4096) == (256, 128)
+    assert sized_window(64, 32 * MIB, 8192) == (128, 64)
+    assert sized_window(64, 32 * MIB, 16384) == (64, 32)      # from 16 KiB on: prefetch
+    assert sized_window(64, 64 * 1024, 100) == (256, 20)      # requests <= prefetch_bytes/32
+    assert sized_window(1, 32 * MIB, 100) == (4, 4)
     assert sized_window(64, 32 * MIB, 256 * 1024) == (64, 4)  # 1 MiB requests
     assert sized_window(64, 32 * MIB, MIB) == (32, 1)
     assert sized_window(64, 32 * MIB, 4 * MIB) == (8, 1)
@@ -350,7 +363,8 @@ def _scan(p: Prefetcher, source: ScriptedSource, n: int) -> tuple[list[Any], int
 
 
 @pytest.mark.parametrize(("value_bytes", "window", "batch"),
-                         [(100, 64, 32), (MIB, 32, 1), (4 * MIB, 8, 1), (50 * MIB, 1, 1)])
+                         [(100, 256, 128), (32 * 1024, 64, 32), (MIB, 32, 1), (4 * MIB, 8, 1),
+                          (50 * MIB, 1, 1)])
 def test_large_values_shrink_requests_and_window(value_bytes: int, window: int,
                                                  batch: int) -> None:
     p, source = make(full_store(200), prefetch=64, length=200, value_bytes=value_bytes)
@@ -391,11 +405,32 @@ def test_replies_without_bytes_end_the_small_first_window_but_teach_no_size() ->
 
 def test_a_small_prefetch_regains_its_full_batches_after_the_first_reply() -> None:
     """prefetch=8 is already inside the first window: its requests are still 4 until a
-    reply comes, then 8 (batch_size_for(8)), not 4 forever."""
+    reply comes, then those of its window grown for 100 B values (32 items, requests of
+    16), not 4 forever."""
     p, source = make(full_store(), prefetch=8, value_bytes=100)
     p.set_plan(list(range(100)))
     assert [len(t.indices) for t in source.submitted] == [FIRST_BATCH, FIRST_BATCH]
     got, _most = _scan(p, source, 100)
     assert got == [f"v{i}" for i in range(100)]
-    assert (p.window, p.batch) == (8, batch_size_for(8))
-    assert max(len(t.indices) for t in source.submitted[2:]) == batch_size_for(8)
+    assert (p.window, p.batch) == (32, batch_size_for(32))
+    assert max(len(t.indices) for t in source.submitted[2:]) == batch_size_for(32)
+
+
+def test_a_window_grown_for_small_values_reads_little_in_vain() -> None:
+    """The grown window is what an order change throws away: 256 values of 100 B, never
+    more than SMALL_WINDOW_BYTES; and a mix that turns large shrinks it again."""
+    p, source = make(full_store(2000), prefetch=64, length=2000, value_bytes=100)
+    p.set_plan(list(range(2000)))
+    _scan(p, source, 300)
+    assert (p.window, p.batch) == (256, 128)
+    source.complete_all()
+    assert len(p.ready) + len(p.inflight) <= 256 + 128
+    p.set_plan(list(range(1999, 0, -1)))  # a new order: what was read ahead is dropped
+    wasted = p.counts["prefetch_wasted"]
+    assert 0 < wasted <= 256 + 128 and wasted * 100 <= SMALL_WINDOW_BYTES
+    source.value_bytes = 64 * 1024
+    for i in range(1999, 1700, -1):
+        source.complete_all()
+        assert p.take(i) == f"v{i}"
+    assert p.window == 64 and p.batch <= 32  # 64 KiB values: prefetch, not grown
+
