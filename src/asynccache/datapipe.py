@@ -422,7 +422,7 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
             rt.drawn = _one_pass(order)
             return self._process_plan(rt.drawn, rt)
 
-        p.set_plan(next_epoch(), next_epoch)
+        p.follow(next_epoch(), next_epoch)
 
     # -- map-style protocol --------------------------------------------------------------------
     def __getitem__(self, index: Any) -> Any:
@@ -449,13 +449,17 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
             rt.batch_size = len(indices)
             if rt.drawn is not None and _worker_info() is not None:
                 # a flat order in a DataLoader worker: now its share can be cut out
-                p.set_plan(self._process_plan(rt.drawn, rt), p.replan)
+                plan, replan = self._process_plan(rt.drawn, rt), p.replan
+                if replan is not None:
+                    p.follow(plan, replan)  # the epoch clock counts this worker's share
+                else:
+                    p.set_plan(plan)
         values = p.take_many(indices)
         missing = [i for i, v in zip(indices, values) if v is MISSING]
         # A batch's writes are in the store before the next batch is returned; the last
         # batch of a known plan (this worker's share of the sampler's epoch, or the rest
         # of the dataset) waits for its own, and so does a batch without a plan.
-        visible = "next" if p.plan_len and p.pos < p.plan_len else "now"
+        visible = "next" if p.plan_len and p.pos < p.plan_len and not p.epoch_ends() else "now"
         if missing:
             computed = self._compute(missing, rt, visible=visible)
             values = [computed[i] if v is MISSING else v for i, v in zip(indices, values)]

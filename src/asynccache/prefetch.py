@@ -193,6 +193,11 @@ class Prefetcher:
         #: in-order reads served from the buffer: the one counter the fast path touches
         #: (``fast_specials`` of them were misses or failures, counted on the slow path)
         self.fast_reads = self.fast_specials = 0
+        #: The epoch clock of a followed order (see :meth:`follow`): every other read, and
+        #: the read count at which the current epoch began, in reads of ``epoch_len``.
+        self.slow_reads = 0
+        self.epoch_len = 0  # reads per epoch of the order followed; 0: no order
+        self.epoch_start = 0
 
     @staticmethod
     def zero_counts() -> dict[str, int]:
@@ -207,6 +212,44 @@ class Prefetcher:
                 "prefetch_wasted": self.wasted, "stall_timeouts": self.stall_timeouts}
 
     # -- plan -----------------------------------------------------------------------------
+    def follow(self, plan: Sequence[Any], replan: Callable[[], list[Any]]) -> None:
+        """Follow an order: ``plan`` is this consumer's epoch of it, ``replan()`` the next.
+
+        Starts the epoch clock: every ``len(plan)`` reads, whatever they read, an epoch is
+        over. The plan is a guess (a worker's copy of an unseeded sampler draws another
+        permutation than the DataLoader), the count is not: a DataLoader hands each worker
+        the same number of items every epoch. At each turn of the clock the misses read
+        ahead are forgotten, because another process may have computed and written them
+        since. A value written in one epoch is thus read in the next even when the plan
+        is wrong, instead of a stale miss, read ahead before it was written, recomputing it.
+        """
+        self.epoch_len = len(plan)
+        self.epoch_start = self.fast_reads + self.slow_reads
+        self.set_plan(plan, replan)
+
+    def _epoch_turned(self, reads: int) -> bool:
+        """After ``reads`` reads: has an epoch of the followed order ended since the last
+        turn? If so, forget what was read ahead as a miss (and what is in flight: its
+        misses may be as old) and move the clock on."""
+        length = self.epoch_len
+        if not length or reads - self.epoch_start < length:
+            return False
+        self.epoch_start += (reads - self.epoch_start) // length * length
+        self.generation += 1  # replies in flight were sent in the old epoch: ignored
+        self.inflight.clear()
+        ready = self.ready
+        stale = [i for i, v in ready.items() if v is MISSING or type(v) is Failed]
+        for index in stale:
+            del ready[index]
+        self.wasted += len(stale)
+        return True
+
+    def epoch_ends(self) -> bool:
+        """The reads so far complete an epoch of the followed order (the last batch of a
+        worker's share, even when the plan guessed the wrong indices)."""
+        length = self.epoch_len
+        return bool(length) and self.fast_reads + self.slow_reads - self.epoch_start >= length
+
     def set_plan(self, plan: Sequence[Any],
                  replan: Callable[[], list[Any]] | None = None) -> None:
         """Follow ``plan`` from its start; when it is used up, follow ``replan()``."""
@@ -417,15 +460,23 @@ class Prefetcher:
                 if self.requested - pos - 1 <= self.window - self.batch:
                     self._top_up()
                 if value is MISSING or type(value) is Failed:
+                    if self._epoch_turned(self.fast_reads + self.slow_reads - 1):
+                        self.fast_reads -= 1  # counted again, as a direct read
+                        self.slow_reads += 1
+                        return self._result(self._read_direct([index])[0])
                     return self._special(value)
                 return value
             self._refresh_order()
+            self._epoch_turned(self.fast_reads + self.slow_reads)
+            self.slow_reads += 1
             self._after(index, self._advance(index))
             if value is MISSING:  # out of plan order: it may be older than a write since
                 return self._result(self._read_direct([index])[0])
             self.prefetch_hits += 1
             return self._result(value)
         self._refresh_order()
+        self._epoch_turned(self.fast_reads + self.slow_reads)
+        self.slow_reads += 1
         in_order = self.pos < self.plan_len and self.plan[self.pos] == index
         on_plan = self._advance(index)
         value = self._await(index)
@@ -441,6 +492,8 @@ class Prefetcher:
     def take_many(self, indices: Sequence[Any]) -> list[Any]:
         """Values for a whole batch: ready ones, awaited ones, then one request for the rest."""
         self._refresh_order()
+        self._epoch_turned(self.fast_reads + self.slow_reads)  # before a stale miss is taken
+        self.slow_reads += len(indices)
         self._deliver(self.source.poll())  # whatever arrived since the last read
         pop = self.ready.pop
         out = [pop(i, _NOTHING) for i in indices]

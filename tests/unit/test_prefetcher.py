@@ -434,3 +434,42 @@ def test_a_window_grown_for_small_values_reads_little_in_vain() -> None:
         assert p.take(i) == f"v{i}"
     assert p.window == 64 and p.batch <= 32  # 64 KiB values: prefetch, not grown
 
+
+# -- the epoch clock of a followed order ---------------------------------------------------
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_miss_read_ahead_in_one_epoch_is_read_again_in_the_next(batched: bool) -> None:
+    """A worker's plan can be wrong (an unseeded sampler draws another permutation in
+    each process). Its read-ahead then finds misses that the other worker computes later
+    in the epoch; after the epoch's count of reads, those misses must be read again, not
+    trusted: they would recompute values written in the epoch before."""
+    store: dict[Any, Any] = {}
+    p, source = make(store, prefetch=8, length=100)
+    epoch = list(range(10))
+    p.follow(epoch, lambda: list(epoch))
+    source.complete_all()
+    assert source.requested == list(range(8))  # read ahead: all misses, delivered below
+    reads = [[50, 12, 33, 71, 28], [90, 45, 17, 60, 81]]  # what the DataLoader really sent
+    for n, batch in enumerate(reads):
+        got = p.take_many(batch) if batched else [p.take(i) for i in batch]
+        assert got == [MISSING] * 5
+        assert p.epoch_ends() == (n == 1)  # the 10th read completes the epoch
+    assert [p.ready.get(i) for i in range(8)] == [MISSING] * 8  # stale by now
+    store.update({i: f"v{i}" for i in range(10)})  # the other worker computed them
+    if batched:
+        assert p.take_many([0, 1, 2]) == ["v0", "v1", "v2"]
+    else:
+        assert [p.take(i) for i in (0, 1, 2)] == ["v0", "v1", "v2"]
+    assert not p.epoch_ends()
+    assert p.counts["misses"] == 10 and p.counts["hits"] == 3
+
+
+def test_the_epoch_clock_costs_a_right_plan_nothing() -> None:
+    """With the plan right, an epoch ends exactly where the plan does: no extra reads."""
+    store = full_store(40)
+    p, _source = make(store, prefetch=8, length=40, auto=True)
+    epoch = list(range(40))
+    p.follow(epoch, lambda: list(epoch))
+    for _ in range(3):
+        for start in range(0, 40, 8):
+            assert p.take_many(epoch[start:start + 8]) == [f"v{i}" for i in epoch[start:start + 8]]
+    assert p.counts["direct_reads"] == 0 and p.counts["prefetch_wasted"] == 0
