@@ -6,7 +6,9 @@ import gc
 import pickle
 import random
 import threading
+import types
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from torch.utils.data import MapDataPipe
 from torch.utils.data.datapipes.map import SequenceWrapper
 
 import asynccache as ac
+from asynccache import datapipe
 from asynccache.loop import get_loop_thread
 from asynccache.prefetch import WINDOW_GROWTH
 from asynccache.testing import servers
@@ -289,3 +292,28 @@ def test_stale_read_ahead_misses_are_not_served(pipe_url: str, namespace: str) -
         got = reader.__getitems__([30, 20, 40])  # off the read-ahead plan
         assert [g["index"] for g in got] == [30, 20, 40]
         assert reader_source.calls == []
+
+
+def test_a_share_whose_last_batch_is_dropped_still_ends_with_visible_writes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """DataLoader(sampler=order, batch_size=8, drop_last=True, num_workers=2) over 35
+    items sends batches 0..3, never the partial batch 4. Worker 0 gets batches 0 and 2;
+    the share the pipe cuts from the flat order also holds batch 4, so its real last batch
+    leaves 3 items of the plan: less than a batch left is the end, and that batch's
+    writes are in the store before it returns (visible="now")."""
+    monkeypatch.setattr(datapipe, "_worker_info",
+                        lambda: types.SimpleNamespace(id=0, num_workers=2))
+    seen: list[str] = []
+    real_compute = datapipe.AsyncKVCacheMapDataPipe._compute
+
+    def spy(self: Any, indices: list[Any], rt: Any, visible: str = "queued") -> Any:
+        seen.append(visible)
+        return real_compute(self, indices, rt, visible=visible)
+
+    monkeypatch.setattr(datapipe.AsyncKVCacheMapDataPipe, "_compute", spy)
+    with ac.AsyncKVCacheMapDataPipe(list(range(35)), ac.connect("memory://drop-last"),
+                                    namespace="drop-last", order=list(range(35))) as dp:
+        assert dp.__getitems__(list(range(0, 8))) == list(range(0, 8))
+        assert dp.__getitems__(list(range(16, 24))) == list(range(16, 24))
+    assert seen == ["next", "now"]

@@ -458,8 +458,11 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         missing = [i for i, v in zip(indices, values) if v is MISSING]
         # A batch's writes are in the store before the next batch is returned; the last
         # batch of a known plan (this worker's share of the sampler's epoch, or the rest
-        # of the dataset) waits for its own, and so does a batch without a plan.
-        visible = "next" if p.plan_len and p.pos < p.plan_len and not p.epoch_ends() else "now"
+        # of the dataset) waits for its own, and so does a batch without a plan. Less
+        # than a batch left counts as the end: with drop_last the loader never sends it.
+        left = p.plan_len - p.pos
+        visible = ("next" if p.plan_len and left >= max(1, len(indices)) and not p.epoch_ends()
+                   else "now")
         if missing:
             computed = self._compute(missing, rt, visible=visible)
             values = [computed[i] if v is MISSING else v for i, v in zip(indices, values)]

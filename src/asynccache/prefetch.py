@@ -198,6 +198,7 @@ class Prefetcher:
         self.slow_reads = 0
         self.epoch_len = 0  # reads per epoch of the order followed; 0: no order
         self.epoch_start = 0
+        self.epoch = 0  # turns of the clock so far (requests carry the one they were sent in)
 
     @staticmethod
     def zero_counts() -> dict[str, int]:
@@ -229,14 +230,16 @@ class Prefetcher:
 
     def _epoch_turned(self, reads: int) -> bool:
         """After ``reads`` reads: has an epoch of the followed order ended since the last
-        turn? If so, forget what was read ahead as a miss (and what is in flight: its
-        misses may be as old) and move the clock on."""
+        turn? If so, move the clock on and forget the misses read ahead before it: those
+        in the buffer now, and those of requests still in flight when they arrive (their
+        hits are kept: a value is never stale). The plan is requested again from the
+        current position, so a forgotten miss is read again ahead, not one by one."""
         length = self.epoch_len
         if not length or reads - self.epoch_start < length:
             return False
         self.epoch_start += (reads - self.epoch_start) // length * length
-        self.generation += 1  # replies in flight were sent in the old epoch: ignored
-        self.inflight.clear()
+        self.epoch += 1
+        self.requested = min(self.requested, self.pos)
         ready = self.ready
         stale = [i for i, v in ready.items() if v is MISSING or type(v) is Failed]
         for index in stale:
@@ -293,6 +296,7 @@ class Prefetcher:
                     continue
             indices, keys = [i for i, _ in pairs], [k for _, k in pairs]
         ticket = Ticket(indices, keys, direct=direct, generation=self.generation)
+        ticket.epoch = self.epoch
         if not direct:
             self.inflight.update(dict.fromkeys(indices, ticket))
         self.source.submit(ticket)
@@ -344,12 +348,26 @@ class Prefetcher:
                 self._learn(ticket)
             if ticket.direct or ticket.abandoned or ticket.generation != generation:
                 continue
+            if ticket.epoch != self.epoch:  # sent before the clock turned: hits only
+                self._deliver_hits(ticket)
+                continue
             _drain(map(inflight.pop, ticket.indices, itertools.repeat(None)))
             if ticket.partial:
                 ready.update((i, v) for i, v in zip(ticket.indices, ticket.values)
                              if v is not NOT_READ)
             else:
                 ready.update(zip(ticket.indices, ticket.values))
+
+    def _deliver_hits(self, ticket: Ticket) -> None:
+        ready, inflight = self.ready, self.inflight
+        for index, value in zip(ticket.indices, ticket.values):
+            if inflight.get(index) is not ticket:
+                continue
+            del inflight[index]
+            if value is MISSING or value is NOT_READ or type(value) is Failed:
+                self.wasted += 1  # read again when it comes (directly)
+            else:
+                ready[index] = value
 
     def _learn(self, ticket: Ticket) -> None:
         """Size the window by the bytes ``ticket`` carried. A reply without bytes (all
@@ -457,13 +475,17 @@ class Prefetcher:
                 self.pos = pos + 1
                 self.last_index = index
                 self.fast_reads += 1
+                if ((value is MISSING or type(value) is Failed)
+                        and self._epoch_turned(self.fast_reads + self.slow_reads - 1)):
+                    self.fast_reads -= 1  # counted again, as a direct read
+                    self.slow_reads += 1
+                    self.wasted += 1
+                    ticket = self._start_direct([index])  # before the read-ahead below
+                    self._top_up()
+                    return self._result(self._end_direct(ticket)[0])
                 if self.requested - pos - 1 <= self.window - self.batch:
                     self._top_up()
                 if value is MISSING or type(value) is Failed:
-                    if self._epoch_turned(self.fast_reads + self.slow_reads - 1):
-                        self.fast_reads -= 1  # counted again, as a direct read
-                        self.slow_reads += 1
-                        return self._result(self._read_direct([index])[0])
                     return self._special(value)
                 return value
             self._refresh_order()

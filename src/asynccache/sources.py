@@ -51,8 +51,8 @@ AWAY = 0.05
 class Ticket:
     """One read of a batch of keys, from submission to its values."""
 
-    __slots__ = ("abandoned", "deadline", "direct", "done", "error", "generation", "indices",
-                 "keys", "nbytes", "parent", "partial", "remaining", "values")
+    __slots__ = ("abandoned", "deadline", "direct", "done", "epoch", "error", "generation",
+                 "indices", "keys", "nbytes", "parent", "partial", "remaining", "values")
 
     def __init__(self, indices: list[Any], keys: list[bytes], *, direct: bool = False,
                  generation: int = 0) -> None:
@@ -60,6 +60,7 @@ class Ticket:
         self.keys = keys
         self.direct = direct          # the consumer waits for it now (not read-ahead)
         self.generation = generation  # the prefetcher's plan generation it belongs to
+        self.epoch = 0                # the prefetcher's epoch clock when it was sent
         self.values: list[Any] = []
         self.error: CacheError | None = None
         self.partial = False          # some values are NOT_READ

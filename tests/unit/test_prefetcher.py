@@ -473,3 +473,78 @@ def test_the_epoch_clock_costs_a_right_plan_nothing() -> None:
         for start in range(0, 40, 8):
             assert p.take_many(epoch[start:start + 8]) == [f"v{i}" for i in epoch[start:start + 8]]
     assert p.counts["direct_reads"] == 0 and p.counts["prefetch_wasted"] == 0
+
+
+def test_a_turn_reads_the_forgotten_misses_ahead_again() -> None:
+    """The turn forgets stale misses and rewinds the plan to the current position: the
+    misses it forgot are read ahead again, not one direct round trip each."""
+    store: dict[Any, Any] = {}
+    p, source = make(store, prefetch=8, length=100)
+    epoch = list(range(10))
+    p.follow(epoch, lambda: list(epoch))
+    source.complete_all()
+    for i in [50, 12, 33, 71, 28, 90, 45, 17, 60, 81]:  # the epoch the loader really sent
+        assert p.take(i) is MISSING
+    store.update({i: f"v{i}" for i in range(10)})  # written by the other worker
+    got = []
+    for i in range(8):
+        got.append(p.take(i))
+        source.complete_all()
+    assert got == [f"v{i}" for i in range(8)]
+    # the first read is direct (its miss was forgotten); the next 7 should be read ahead
+    assert p.counts["direct_reads"] - 10 <= 1, p.counts
+
+
+def test_a_shifted_clock_keeps_the_hits_in_flight() -> None:
+    """Reads outside the loader's epoch (here 8 peeks before training, 0 workers) shift
+    the clock for good: it then turns inside every epoch of a right plan. A turn keeps
+    the read-ahead in flight (hits are never stale), so this costs no direct read."""
+    store = full_store(100)
+    p, _source = make(store, prefetch=8, length=100, auto=True)
+    epoch = list(range(40))
+    p.follow(epoch, lambda: list(epoch))
+    for i in (90, 70, 50, 95, 75, 55, 85, 65):  # e.g. looking at a few samples first
+        assert p.take(i) == f"v{i}"
+    peeked = p.counts["direct_reads"]
+    for _ in range(3):
+        for start in range(0, 40, 8):
+            assert p.take_many(epoch[start:start + 8]) == [f"v{i}" for i in epoch[start:start + 8]]
+    assert p.counts["direct_reads"] == peeked, p.counts
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_forgotten_misses_count_as_wasted_on_either_path(batched: bool) -> None:
+    """The 8 misses read ahead and forgotten at the turn are wasted, by take or take_many."""
+    store: dict[Any, Any] = {}
+    p, source = make(store, prefetch=8, length=100)
+    epoch = list(range(10))
+    p.follow(epoch, lambda: list(epoch))
+    source.complete_all()
+    for i in [50, 12, 33, 71, 28, 90, 45, 17, 60, 81]:
+        assert p.take(i) is MISSING
+    if batched:
+        p.take_many([0])
+    else:
+        p.take(0)
+    assert p.counts["prefetch_wasted"] == 8, p.counts
+
+
+@pytest.mark.parametrize("clock", [True, False])
+def test_a_varying_count_per_epoch_costs_no_extra_reads(clock: bool) -> None:
+    """DataLoader(in_order=False) hands a busy worker's batch to another: the count per
+    epoch varies. Worker 0's share is batches 0, 2, 4, 6 (a right guess); in epoch 1 its
+    batch 4 went to worker 1. The clock then turns mid-plan in epoch 2: with it or without
+    it, the only direct reads are that batch's (which came off the plan)."""
+    store = full_store(100)
+    p, _source = make(store, prefetch=8, length=100, auto=True)
+    batches = [list(range(b * 8, b * 8 + 8)) for b in (0, 2, 4, 6)]
+    share = [i for b in batches for i in b]
+    p.follow(share, lambda: list(share))
+    if not clock:
+        p.epoch_len = 0  # no clock
+    for b in (batches[0], batches[1], batches[3]):  # epoch 1: batch 4 went elsewhere
+        assert p.take_many(b) == [f"v{i}" for i in b]
+    for _ in range(2):
+        for b in batches:
+            assert p.take_many(b) == [f"v{i}" for i in b]
+    assert p.counts["direct_reads"] == 8, p.counts  # epoch 1's batch off the window only
