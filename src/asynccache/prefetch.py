@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import operator
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,9 +43,9 @@ from .core import MISSING, Failed
 from .errors import CacheError, StoreTimeout
 from .sources import ReadSource, Ticket
 
-__all__ = ["DEFAULT_PREFETCH_BYTES", "FIRST_BATCH", "FIRST_WINDOW", "SMALL_WINDOW_BYTES",
-           "WINDOW_GROWTH", "Prefetcher", "batch_size_for", "full_window", "learned",
-           "sized_window", "small_item_bytes"]
+__all__ = ["DEFAULT_PREFETCH_BYTES", "FIRST_BATCH", "FIRST_WINDOW", "GROWN_SAMPLE",
+           "SMALL_WINDOW_BYTES", "WINDOW_GROWTH", "Prefetcher", "batch_size_for",
+           "full_window", "learned", "sized_window", "small_item_bytes", "values_found"]
 
 
 class _Nothing:
@@ -91,6 +92,8 @@ _ALPHA = 0.25
 #: ``prefetch`` exists to bound.
 SMALL_WINDOW_BYTES = 1 << 20
 WINDOW_GROWTH = 4
+#: a grown window checks the size of the values found in one reply in this many
+GROWN_SAMPLE = 8
 
 
 def batch_size_for(window: int) -> int:
@@ -126,22 +129,35 @@ def small_item_bytes(prefetch: int, prefetch_bytes: int, growth: int = WINDOW_GR
 
 
 def sized_window(prefetch: int, prefetch_bytes: int, item_bytes: float,
-                 growth: int = WINDOW_GROWTH) -> tuple[int, int]:
+                 growth: int = WINDOW_GROWTH, value_bytes: float = 0.0) -> tuple[int, int]:
     """(window, batch) in items for ``prefetch`` items of ``item_bytes`` on average,
     bounded by ``prefetch_bytes`` (and grown past ``prefetch``, up to ``growth`` times
-    it, while the window holds at most ``SMALL_WINDOW_BYTES``); ``item_bytes <= 0``:
-    nothing known, items only."""
+    it, while the window would hold at most ``SMALL_WINDOW_BYTES`` if every item were a
+    value of ``value_bytes``: the size of the values found, which misses do not dilute,
+    so a cold epoch of large values does not grow a window the warm one then fills);
+    ``item_bytes <= 0``: nothing known, items only."""
     window = prefetch
     if item_bytes > 0 and prefetch > 0:
         window = max(1, min(prefetch, int(prefetch_bytes // item_bytes)))
         if window == prefetch and growth > 1:
-            small = int(min(SMALL_WINDOW_BYTES, prefetch_bytes) // item_bytes)
+            per_value = max(item_bytes, value_bytes)
+            small = int(min(SMALL_WINDOW_BYTES, prefetch_bytes) // per_value)
             window = max(window, min(full_window(prefetch, growth), small))
     batch = batch_size_for(window)
     if item_bytes > 0 and batch > 0:
         per_request = max(1, prefetch_bytes // REQUESTS_PER_WINDOW)
         batch = max(1, min(batch, int(per_request // item_bytes)))
     return window, batch
+
+
+def values_found(ticket: Ticket) -> int:
+    """How many of a completed ticket's values are values (not misses, not unread).
+    By identity: ``list.count`` would compare arrays and tensors with ``==``."""
+    values = ticket.values
+    missing = list(map(operator.is_, values, itertools.repeat(MISSING))).count(True)
+    if ticket.partial:
+        missing += list(map(operator.is_, values, itertools.repeat(NOT_READ))).count(True)
+    return len(values) - missing
 
 
 def _drain(iterator: Any) -> None:
@@ -166,6 +182,9 @@ class Prefetcher:
         #: bytes per item the replies carried (moving average; misses count as 0 bytes,
         #: so it is what an item costs in flight for the current mix); 0: not known yet
         self.item_bytes = 0.0
+        #: bytes per value found (misses not counted): what sizes the small-value growth
+        self.value_bytes = 0.0
+        self.samples = 0  # replies to a grown window (see _sampled)
         self.window = min(self.prefetch, FIRST_WINDOW)
         self.batch = min(batch_size_for(self.window), FIRST_BATCH)
         self.small_item = small_item_bytes(self.prefetch, prefetch_bytes)
@@ -343,8 +362,10 @@ class Prefetcher:
         """Move completed read-ahead into the ready buffer; drop what was not read."""
         generation, ready, inflight = self.generation, self.ready, self.inflight
         for ticket in tickets:
+            nbytes = ticket.nbytes
             if (self.batch < self.full_batch or self.window < self.full_window
-                    or ticket.nbytes > self.small_item * len(ticket.indices)):
+                    or nbytes > self.small_item * len(ticket.indices)
+                    or (nbytes and self.window > self.prefetch and self._sampled(ticket))):
                 self._learn(ticket)
             if ticket.direct or ticket.abandoned or ticket.generation != generation:
                 continue
@@ -357,6 +378,14 @@ class Prefetcher:
                              if v is not NOT_READ)
             else:
                 ready.update(zip(ticket.indices, ticket.values))
+
+    def _sampled(self, ticket: Ticket) -> bool:
+        """One reply in ``GROWN_SAMPLE`` to a grown window: do its values, misses not
+        counted, turn out too large for it? (Counting misses costs ~30 ns an item: not on
+        every reply of the small values that grew the window.)"""
+        self.samples += 1
+        return (not self.samples % GROWN_SAMPLE
+                and ticket.nbytes > self.small_item * values_found(ticket))
 
     def _deliver_hits(self, ticket: Ticket) -> None:
         ready, inflight = self.ready, self.inflight
@@ -376,8 +405,10 @@ class Prefetcher:
         if not ticket.indices or ticket.abandoned:
             return
         self.item_bytes = learned(self.item_bytes, ticket.nbytes, len(ticket.indices))
+        if ticket.nbytes:
+            self.value_bytes = learned(self.value_bytes, ticket.nbytes, values_found(ticket))
         self.window, self.batch = sized_window(self.prefetch, self.prefetch_bytes,
-                                               self.item_bytes)
+                                               self.item_bytes, value_bytes=self.value_bytes)
         self.bounded = self.item_bytes * self.batch >= BOUNDED_REQUEST_BYTES
 
     def _abandon(self, ticket: Ticket) -> None:

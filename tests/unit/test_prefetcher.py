@@ -435,6 +435,24 @@ def test_a_window_grown_for_small_values_reads_little_in_vain() -> None:
     assert p.window == 64 and p.batch <= 32  # 64 KiB values: prefetch, not grown
 
 
+
+def test_misses_do_not_grow_the_window_for_large_values() -> None:
+    """A cold epoch of 400 KiB values, 1 in 100 already cached, averages ~13 KiB an item.
+    Growth follows the size of the values found, not that average: otherwise the warm
+    epoch's first requests would be 4 x larger than prefetch allows (~100 MiB in flight)."""
+    store = {i: f"v{i}" for i in range(0, 2000, 100)}
+    p, source = make(store, prefetch=64, length=2000, value_bytes=400 * 1024)
+    p.set_plan(list(range(2000)))
+    _scan(p, source, 2000)
+    assert 0 < p.item_bytes < 50 * 1024  # the mix: misses dilute it
+    assert p.value_bytes == pytest.approx(400 * 1024)
+    assert p.window <= 64  # not grown
+    small = {i: f"v{i}" for i in range(2000)}  # and 100 B values, all found, still grow
+    q, source = make(small, prefetch=64, length=2000, value_bytes=100)
+    q.set_plan(list(range(2000)))
+    _scan(q, source, 600)
+    assert (q.window, q.batch) == (256, 128)
+
 # -- the epoch clock of a followed order ---------------------------------------------------
 @pytest.mark.parametrize("batched", [True, False])
 def test_a_miss_read_ahead_in_one_epoch_is_read_again_in_the_next(batched: bool) -> None:
