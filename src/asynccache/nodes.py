@@ -45,19 +45,7 @@ from .codec import Codec
 from .core import MISSING, AsyncKVCache, Failed, OnError
 from .errors import ConfigError, KeyTooLong, MissingDependency
 from .keys import encode_key
-from .prefetch import (
-    DEFAULT_PREFETCH_BYTES,
-    FIRST_BATCH,
-    FIRST_WINDOW,
-    GROWN_SAMPLE,
-    WINDOW_GROWTH,
-    batch_size_for,
-    full_window,
-    learned,
-    sized_window,
-    small_item_bytes,
-    values_found,
-)
+from .prefetch import DEFAULT_PREFETCH_BYTES, WINDOW_GROWTH, WindowSizer
 from .runtime import CacheRuntime, Reports
 from .sources import ReadSource, Ticket
 
@@ -242,15 +230,9 @@ class CachedMapper(BaseNode[T]):
         # first window until a reply shows the sizes, then sized by them
         self.prefetch_bytes = prefetch_bytes
         self._prefetch = max(1, prefetch)
-        self._growth = WINDOW_GROWTH if prefetch > 0 else 1  # 0: one item at a time
-        self._item_bytes = 0.0
-        self._value_bytes = 0.0  # per value found: sizes the small-value growth
-        self._samples = 0
-        self._small_item = small_item_bytes(self._prefetch, prefetch_bytes, self._growth)
-        self._full_window = full_window(self._prefetch, self._growth)  # grown: small values
-        self._full_batch = batch_size_for(self._full_window)
-        self._window = min(self._prefetch, FIRST_WINDOW)
-        self._batch = min(batch_size_for(self._window), FIRST_BATCH)
+        growth = WINDOW_GROWTH if prefetch > 0 else 1  # 0: one item at a time
+        self._sizer = WindowSizer(self._prefetch, prefetch_bytes, growth)
+        self._window, self._batch = self._sizer.window, self._sizer.batch
         self._rt: _NodeRuntime | None = None
         self._ahead: collections.deque[_Entry] = collections.deque()
         self._unsent: list[_Entry] = []
@@ -356,22 +338,8 @@ class CachedMapper(BaseNode[T]):
         for ticket in tickets:
             if ticket.abandoned or not ticket.indices:
                 continue
-            nbytes = ticket.nbytes
-            if nbytes and self._window > self._prefetch:
-                self._samples += 1  # as Prefetcher._sampled: one reply in GROWN_SAMPLE
-            if (self._batch < self._full_batch or self._window < self._full_window
-                    or nbytes > self._small_item * len(ticket.indices)
-                    or (nbytes and self._window > self._prefetch
-                        and not self._samples % GROWN_SAMPLE
-                        and nbytes > self._small_item * values_found(ticket))):
-                self._item_bytes = learned(self._item_bytes, ticket.nbytes,
-                                           len(ticket.indices))
-                if ticket.nbytes:
-                    self._value_bytes = learned(self._value_bytes, ticket.nbytes,
-                                                values_found(ticket))
-                self._window, self._batch = sized_window(
-                    self._prefetch, self.prefetch_bytes, self._item_bytes, self._growth,
-                    self._value_bytes)
+            if self._sizer.learn(ticket):
+                self._window, self._batch = self._sizer.window, self._sizer.batch
         rt = self._rt
         pool = rt.executor() if rt is not None else None
         if pool is None:

@@ -44,7 +44,7 @@ from .errors import CacheError, StoreTimeout
 from .sources import ReadSource, Ticket
 
 __all__ = ["DEFAULT_PREFETCH_BYTES", "FIRST_BATCH", "FIRST_WINDOW", "GROWN_SAMPLE",
-           "SMALL_WINDOW_BYTES", "WINDOW_GROWTH", "Prefetcher", "batch_size_for",
+           "SMALL_WINDOW_BYTES", "WINDOW_GROWTH", "Prefetcher", "WindowSizer", "batch_size_for",
            "full_window", "learned", "sized_window", "small_item_bytes", "values_found"]
 
 
@@ -160,6 +160,66 @@ def values_found(ticket: Ticket) -> int:
     return len(values) - missing
 
 
+class WindowSizer:
+    """A read-ahead window and its requests, in items, sized by the bytes replies carry.
+
+    The one sizing rule of the pipe's :class:`Prefetcher` and the torchdata node: a first
+    window of ``FIRST_WINDOW`` in requests of ``FIRST_BATCH`` until a reply shows sizes,
+    then :func:`sized_window` of two moving averages, bytes per item of the current mix
+    (what an item costs in flight) and bytes per value found (what the small-value growth
+    follows). Replies that cannot change anything are not looked at: small values once
+    the window is full, except one reply in ``GROWN_SAMPLE`` to a grown window.
+    """
+
+    __slots__ = ("_full_batch", "_full_window", "_small_item", "batch", "growth",
+                 "item_bytes", "prefetch", "prefetch_bytes", "samples", "value_bytes",
+                 "window")
+
+    def __init__(self, prefetch: int, prefetch_bytes: int,
+                 growth: int = WINDOW_GROWTH) -> None:
+        self.prefetch = max(0, prefetch)
+        self.prefetch_bytes = prefetch_bytes
+        self.growth = growth
+        #: bytes per item the replies carried (moving average; misses count as 0 bytes,
+        #: so it is what an item costs in flight for the current mix); 0: not known yet
+        self.item_bytes = 0.0
+        #: bytes per value found (misses not counted): what sizes the small-value growth
+        self.value_bytes = 0.0
+        self.samples = 0  # replies to a grown window
+        self.window = min(self.prefetch, FIRST_WINDOW)
+        self.batch = min(batch_size_for(self.window), FIRST_BATCH)
+        self._small_item = small_item_bytes(self.prefetch, prefetch_bytes, growth)
+        self._full_window = full_window(self.prefetch, growth)
+        self._full_batch = batch_size_for(self._full_window)
+
+    def learn(self, ticket: Ticket) -> bool:
+        """Take a completed reply's sizes into account; True if it was looked at (the
+        window and batch may have changed)."""
+        nbytes = ticket.nbytes
+        if not (self.batch < self._full_batch or self.window < self._full_window
+                or nbytes > self._small_item * len(ticket.indices)
+                or (nbytes and self.window > self.prefetch and self._sampled(ticket))):
+            return False
+        if not ticket.indices or ticket.abandoned:
+            return False
+        # A reply without bytes (all misses, a cold epoch) teaches nothing about sizes:
+        # it only ends the small first window when no size is known yet.
+        self.item_bytes = learned(self.item_bytes, nbytes, len(ticket.indices))
+        if nbytes:
+            self.value_bytes = learned(self.value_bytes, nbytes, values_found(ticket))
+        self.window, self.batch = sized_window(self.prefetch, self.prefetch_bytes,
+                                               self.item_bytes, self.growth, self.value_bytes)
+        return True
+
+    def _sampled(self, ticket: Ticket) -> bool:
+        """One reply in ``GROWN_SAMPLE`` to a grown window: do its values, misses not
+        counted, turn out too large for it? (Counting misses costs ~30 ns an item: not on
+        every reply of the small values that grew the window.)"""
+        self.samples += 1
+        return (not self.samples % GROWN_SAMPLE
+                and ticket.nbytes > self._small_item * values_found(ticket))
+
+
 def _drain(iterator: Any) -> None:
     collections.deque(iterator, maxlen=0)
 
@@ -179,17 +239,9 @@ class Prefetcher:
         self.length = length
         self.prefetch = max(0, prefetch)
         self.prefetch_bytes = prefetch_bytes
-        #: bytes per item the replies carried (moving average; misses count as 0 bytes,
-        #: so it is what an item costs in flight for the current mix); 0: not known yet
-        self.item_bytes = 0.0
-        #: bytes per value found (misses not counted): what sizes the small-value growth
-        self.value_bytes = 0.0
-        self.samples = 0  # replies to a grown window (see _sampled)
-        self.window = min(self.prefetch, FIRST_WINDOW)
-        self.batch = min(batch_size_for(self.window), FIRST_BATCH)
-        self.small_item = small_item_bytes(self.prefetch, prefetch_bytes)
-        self.full_window = full_window(self.prefetch)
-        self.full_batch = batch_size_for(self.full_window)
+        self.sizer = WindowSizer(self.prefetch, prefetch_bytes)
+        #: the sizer's, copied here after each change: read on every item
+        self.window, self.batch = self.sizer.window, self.sizer.batch
         #: requests carry enough bytes that a wait should do no more than it needs
         #: (``source.advance``); below, taking everything that arrived is cheaper
         self.bounded = False
@@ -362,11 +414,8 @@ class Prefetcher:
         """Move completed read-ahead into the ready buffer; drop what was not read."""
         generation, ready, inflight = self.generation, self.ready, self.inflight
         for ticket in tickets:
-            nbytes = ticket.nbytes
-            if (self.batch < self.full_batch or self.window < self.full_window
-                    or nbytes > self.small_item * len(ticket.indices)
-                    or (nbytes and self.window > self.prefetch and self._sampled(ticket))):
-                self._learn(ticket)
+            if self.sizer.learn(ticket):
+                self._resized()
             if ticket.direct or ticket.abandoned or ticket.generation != generation:
                 continue
             if ticket.epoch != self.epoch:  # sent before the clock turned: hits only
@@ -379,14 +428,6 @@ class Prefetcher:
             else:
                 ready.update(zip(ticket.indices, ticket.values))
 
-    def _sampled(self, ticket: Ticket) -> bool:
-        """One reply in ``GROWN_SAMPLE`` to a grown window: do its values, misses not
-        counted, turn out too large for it? (Counting misses costs ~30 ns an item: not on
-        every reply of the small values that grew the window.)"""
-        self.samples += 1
-        return (not self.samples % GROWN_SAMPLE
-                and ticket.nbytes > self.small_item * values_found(ticket))
-
     def _deliver_hits(self, ticket: Ticket) -> None:
         ready, inflight = self.ready, self.inflight
         for index, value in zip(ticket.indices, ticket.values):
@@ -398,18 +439,18 @@ class Prefetcher:
             else:
                 ready[index] = value
 
-    def _learn(self, ticket: Ticket) -> None:
-        """Size the window by the bytes ``ticket`` carried. A reply without bytes (all
-        misses, a cold epoch) teaches nothing about sizes: it only ends the small first
-        window when no size is known yet."""
-        if not ticket.indices or ticket.abandoned:
-            return
-        self.item_bytes = learned(self.item_bytes, ticket.nbytes, len(ticket.indices))
-        if ticket.nbytes:
-            self.value_bytes = learned(self.value_bytes, ticket.nbytes, values_found(ticket))
-        self.window, self.batch = sized_window(self.prefetch, self.prefetch_bytes,
-                                               self.item_bytes, value_bytes=self.value_bytes)
-        self.bounded = self.item_bytes * self.batch >= BOUNDED_REQUEST_BYTES
+    def _resized(self) -> None:
+        sizer = self.sizer
+        self.window, self.batch = sizer.window, sizer.batch
+        self.bounded = sizer.item_bytes * sizer.batch >= BOUNDED_REQUEST_BYTES
+
+    @property
+    def item_bytes(self) -> float:
+        return self.sizer.item_bytes
+
+    @property
+    def value_bytes(self) -> float:
+        return self.sizer.value_bytes
 
     def _abandon(self, ticket: Ticket) -> None:
         """The ticket missed its deadline: forget it (a late result is ignored)."""
