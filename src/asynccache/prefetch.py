@@ -527,6 +527,25 @@ class Prefetcher:
             self.hits += 1
         return value
 
+    def _special_in_order(self, index: Any, value: Any) -> Any:
+        """The fast path's miss or failure (already counted as a fast read): read again
+        if the epoch clock turns with this read, else as buffered."""
+        if self._epoch_turned(self.fast_reads + self.slow_reads - 1):
+            self.fast_reads -= 1  # counted again, as a direct read
+            self.slow_reads += 1
+            self.wasted += 1
+            ticket = self._start_direct([index])  # before the read-ahead below
+            self._top_up()
+            return self._result(self._end_direct(ticket)[0])
+        if self.requested - self.pos <= self.window - self.batch:
+            self._top_up()
+        return self._special(value)
+
+    def _count_slow(self, n: int) -> None:
+        """``n`` reads off the fast path: the epoch clock may turn before them."""
+        self._epoch_turned(self.fast_reads + self.slow_reads)
+        self.slow_reads += n
+
     def _special(self, value: Any) -> Any:
         """A buffered value that is not a plain hit (the fast path counted it as one)."""
         self.fast_specials += 1
@@ -547,30 +566,20 @@ class Prefetcher:
                 self.pos = pos + 1
                 self.last_index = index
                 self.fast_reads += 1
-                if ((value is MISSING or type(value) is Failed)
-                        and self._epoch_turned(self.fast_reads + self.slow_reads - 1)):
-                    self.fast_reads -= 1  # counted again, as a direct read
-                    self.slow_reads += 1
-                    self.wasted += 1
-                    ticket = self._start_direct([index])  # before the read-ahead below
-                    self._top_up()
-                    return self._result(self._end_direct(ticket)[0])
+                if value is MISSING or type(value) is Failed:
+                    return self._special_in_order(index, value)
                 if self.requested - pos - 1 <= self.window - self.batch:
                     self._top_up()
-                if value is MISSING or type(value) is Failed:
-                    return self._special(value)
                 return value
             self._refresh_order()
-            self._epoch_turned(self.fast_reads + self.slow_reads)
-            self.slow_reads += 1
+            self._count_slow(1)
             self._after(index, self._advance(index))
             if value is MISSING:  # out of plan order: it may be older than a write since
                 return self._result(self._read_direct([index])[0])
             self.prefetch_hits += 1
             return self._result(value)
         self._refresh_order()
-        self._epoch_turned(self.fast_reads + self.slow_reads)
-        self.slow_reads += 1
+        self._count_slow(1)
         in_order = self.pos < self.plan_len and self.plan[self.pos] == index
         on_plan = self._advance(index)
         value = self._await(index)
@@ -586,8 +595,7 @@ class Prefetcher:
     def take_many(self, indices: Sequence[Any]) -> list[Any]:
         """Values for a whole batch: ready ones, awaited ones, then one request for the rest."""
         self._refresh_order()
-        self._epoch_turned(self.fast_reads + self.slow_reads)  # before a stale miss is taken
-        self.slow_reads += len(indices)
+        self._count_slow(len(indices))  # the clock first: before a stale miss is taken
         self._deliver(self.source.poll())  # whatever arrived since the last read
         pop = self.ready.pop
         out = [pop(i, _NOTHING) for i in indices]
