@@ -567,11 +567,11 @@ class AsyncKVCache:
     async def _compute_and_store(self, key: Key, store_key: bytes,
                                  compute: Callable[[], Any], ttl: Any) -> Any:
         if self.lease is not None:
-            (mine,) = await self.acquire_leases([store_key])
-            if not mine:
-                found, _now_mine = await self.wait_for_values([store_key])
-                if store_key in found:
-                    return found[store_key]
+            found, _mine, theirs = await self.claim([store_key])
+            if not found and theirs:
+                found, _now_mine = await self.wait_for_values(theirs)
+            if store_key in found:
+                return found[store_key]
         result = compute()
         if inspect.isawaitable(result):
             result = await result
@@ -589,12 +589,44 @@ class AsyncKVCache:
             token = self._lease_token = b"%d:%s" % (os.getpid(), secrets.token_hex(8).encode())
         return token
 
-    async def acquire_leases(self, store_keys: Sequence[bytes]) -> list[bool]:
-        """Take the lease on each key, one round trip for all: True where this process
-        now computes the value. Store trouble, or a store without leases: True (the
-        lease only saves work; it is never worth a wrong or missing value)."""
+    async def claim(self, store_keys: Sequence[bytes]
+                    ) -> tuple[dict[bytes, Any], list[bytes], list[bytes]]:
+        """Take the lease on each missing key (one round trip), then look once more for
+        the values of the keys taken (one more): ``(found, mine, theirs)``.
+
+        A holder writes its value before it drops its lease, so a lease found free may
+        be that of a value written since this process missed the key -- computing it
+        would be the work the lease exists to save (a waiter that read just before the
+        holder's write took the freed lease and computed a whole batch again). ``found``:
+        those values (their fresh leases dropped); ``mine``: keys this process computes;
+        ``theirs``: keys another process holds. Store trouble, or a store without
+        leases: every key is ``mine`` (the lease only saves work; it is never worth a
+        wrong or missing value)."""
+        taken = await self._add_leases(store_keys)
+        if taken is None:
+            return {}, list(store_keys), []
+        got = [k for k, ok in zip(store_keys, taken) if ok]
+        theirs = [k for k, ok in zip(store_keys, taken) if not ok]
+        if not got:
+            return {}, [], theirs
+        values, _error = await self.read_values(got)  # trouble: what was read counts
+        found = {k: v for k, v in zip(got, values)
+                 if v is not MISSING and v is not NOT_READ and type(v) is not Failed}
+        counters = self.counters.shard()
+        if not found:
+            counters["leases"] += len(got)
+            return {}, got, theirs
+        await self.release_leases(list(found))
+        mine = [k for k in got if k not in found]
+        counters["leases"] += len(mine)
+        counters["lease_hits"] += len(found)
+        return found, mine, theirs
+
+    async def _add_leases(self, store_keys: Sequence[bytes]) -> list[bool] | None:
+        """``add_many`` of our token on each key's lease: True where it was free. None
+        when leases cannot be taken now (store trouble, or a store without them)."""
         if self.lease is None or not store_keys:
-            return [True] * len(store_keys)
+            return None
         token = self.lease_token
         try:
             taken = await self.client.add_many({lease_key(k): token for k in store_keys},
@@ -604,12 +636,10 @@ class AsyncKVCache:
                 logger.warning("asynccache: %s cannot take leases (%s): lease= is ignored, "
                                "every process computes its own misses", self.client.safe_url,
                                exc)
-            return [True] * len(store_keys)
+            return None
         except StoreError as exc:
             self.policy.failed(self.client.safe_url, "lease", exc)
-            return [True] * len(store_keys)
-        counters = self.counters.shard()
-        counters["leases"] += sum(taken)
+            return None
         return taken
 
     async def release_leases(self, store_keys: Sequence[bytes]) -> None:
@@ -647,14 +677,15 @@ class AsyncKVCache:
                     still.append(key)
                 else:
                     found[key] = value
+            counters["lease_hits"] += len(pending) - len(still)
             if error is not None:  # the store is in trouble: compute the rest here
                 mine += still
                 break
             if not still:
                 break
-            taken = await self.acquire_leases(still)  # free again: the holder is gone
-            mine += [k for k, ok in zip(still, taken) if ok]
-            pending = [k for k, ok in zip(still, taken) if not ok]
+            more, got, pending = await self.claim(still)  # free again: the holder is gone
+            found.update(more)
+            mine += got
             remaining = deadline - time.monotonic()
             if pending and remaining <= 0:
                 counters["lease_timeouts"] += len(pending)
@@ -663,7 +694,6 @@ class AsyncKVCache:
             if pending:
                 await asyncio.sleep(min(delay, remaining))
                 delay = min(delay * 1.5, longest)
-        counters["lease_hits"] += len(found)
         return found, mine
 
     # -- stats ------------------------------------------------------------------------

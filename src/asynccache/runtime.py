@@ -215,17 +215,18 @@ class CacheRuntime:
 
     def _compute_once(self, wanted: Mapping[bytes, Any],
                       fn: Callable[[Any], Any]) -> dict[bytes, Any]:
-        """Take the leases (one round trip), compute and write what is ours, wait for the
-        others' values; a lease that frees up while waiting (its holder died) is ours."""
+        """Claim the keys (:meth:`~asynccache.core.AsyncKVCache.claim`), compute and write
+        what is ours, wait for the others' values; a lease that frees up while waiting
+        (its holder died) is ours."""
         cache, loop = self.cache, self.loop
         bound = self.client.timeout * 3 + 1
         keys = list(wanted)
         try:
-            taken = loop.call(cache.acquire_leases(keys), bound)
+            found, mine, theirs = loop.call(cache.claim(keys), bound + self.client.timeout)
         except concurrent.futures.TimeoutError:
-            taken = [True] * len(keys)
-        computed = self._compute_mine({k: wanted[k] for k, ok in zip(keys, taken) if ok}, fn)
-        theirs = [k for k, ok in zip(keys, taken) if not ok]
+            found, mine, theirs = {}, keys, []
+        computed = self._compute_mine({k: wanted[k] for k in mine}, fn)
+        computed.update(found)
         if theirs:
             lease = self.lease or 0.0
             try:
