@@ -317,7 +317,7 @@ async def test_a_slow_node_times_out_alone_and_nodes_are_asked_concurrently(
             started = time.perf_counter()
             result = await client.read(keys)
             elapsed = time.perf_counter() - started
-            assert 0.35 < elapsed < 1.2  # one timeout, and the fast node's reply did not wait
+            assert 0.35 < elapsed < 1.8  # one timeout, not 2 s; the fast node did not wait
             assert list(result.failures) == [slow_name]
             assert isinstance(result.failures[slow_name], ac.StoreTimeout)
             assert result.values == [k if o == fast_name else NOT_READ

@@ -245,7 +245,7 @@ def test_latency_costs_one_timeout_over_tls(tls_proxy: FaultProxy,
     conn.send_get([b"k"])
     with pytest.raises(ac.StoreTimeout):
         conn.receive()
-    assert 0.25 < time.monotonic() - started < 1.0
+    assert 0.25 < time.monotonic() - started < 1.8  # one 0.3 s timeout, not the fault's time
 
 
 def test_slow_handshake_is_bounded_by_connect_timeout(tls_proxy: FaultProxy,
@@ -255,7 +255,7 @@ def test_slow_handshake_is_bounded_by_connect_timeout(tls_proxy: FaultProxy,
     started = time.monotonic()
     with pytest.raises(ac.StoreTimeout, match="TLS handshake"):
         client.consumer_reads().connections[0].send_get([b"k"])
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 1.8  # the 0.3 s connect timeout, not the 2 s latency
 
 
 def test_trickle_costs_one_timeout_over_tls(tls_proxy: FaultProxy,
@@ -272,7 +272,7 @@ def test_trickle_costs_one_timeout_over_tls(tls_proxy: FaultProxy,
     conn.send_get(keys)
     with pytest.raises(ac.StoreTimeout):
         conn.receive()
-    assert 0.25 < time.monotonic() - started < 1.0
+    assert 0.25 < time.monotonic() - started < 1.8  # one 0.3 s timeout, not the fault's time
 
 
 def test_pipe_over_a_trickling_tls_link_falls_back_in_time(tls_proxy: FaultProxy,
