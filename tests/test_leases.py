@@ -227,3 +227,60 @@ async def test_a_lease_freed_since_the_miss_is_a_value_not_a_compute(
     assert again == {k: f"v{i}" for i, k in enumerate(keys[:6])} and theirs == []
     for cache in (holder, waiter):
         await cache.client.close()
+
+
+@pytest.mark.anyio
+async def test_damaged_bytes_count_once_though_claim_looks_again(
+        lease_url: str, namespace: str) -> None:
+    """Bytes bound to another key: a miss, counted once -- not again by the second look
+    that taking the lease costs (nor by each poll of a wait)."""
+    client = ac.connect(lease_url)
+    cache = ac.AsyncKVCache(client, namespace=namespace, lease=5)
+    await cache.set_many({"a": "value of a"})
+    (blob_a,) = await client.get_many([cache.key("a")])
+    await client.set_many({cache.key("b"): blob_a})
+    assert await cache.get_or_compute("b", lambda: "b!") == "b!"
+    stats = cache.stats()
+    await client.close()
+    assert (stats["decode_errors"], stats["errors"], stats["leases"]) == (1, 1, 1), stats
+
+
+def test_damaged_bytes_count_once_in_the_pipe_under_lease(
+        lease_url: str, namespace: str, tmp_path: Path) -> None:
+    async def swap_values() -> None:
+        client = ac.connect(lease_url)
+        cache = ac.AsyncKVCache(client, namespace=namespace)
+        await cache.set_many({i: {"i": i} for i in range(8)})
+        blobs = await client.get_many([cache.key(i) for i in range(8)])
+        await client.set_many({cache.key(i): blobs[(i + 1) % 8] for i in range(8)})
+        await client.close()
+
+    asyncio.run(swap_values())
+    log = tmp_path / "log"
+    with ac.AsyncKVCacheMapDataPipe(RecordedSource(8, str(log), 0), ac.connect(lease_url),
+                                    namespace=namespace, lease=5) as dp:
+        assert [v["i"] for v in dp.__getitems__(list(range(8)))] == list(range(8))
+        stats = dp.stats()
+    assert sorted(computations(log)) == list(range(8))
+    assert (stats["decode_errors"], stats["errors"]) == (8, 8), stats
+
+
+@pytest.mark.anyio
+async def test_a_memcached_lease_lasts_at_least_lease_seconds(
+        memcached_server: Any, namespace: str) -> None:
+    """memcached's clock moves once a second: an exptime of n seconds ends in (n-1, n].
+    Taken at three phases of that clock, a 1 s lease must hold for 1 s each time."""
+    holder = ac.AsyncKVCache(ac.connect(memcached_server.url), namespace=namespace, lease=1)
+    other = ac.AsyncKVCache(ac.connect(memcached_server.url), namespace=namespace, lease=1)
+    held = []
+    for phase in range(3):
+        await asyncio.sleep(0.33 * phase)
+        key = holder.key(f"k{phase}")
+        assert (await holder.claim([key]))[1] == [key]
+        started = time.monotonic()
+        while (await other.claim([key]))[1] != [key]:
+            await asyncio.sleep(0.01)
+        held.append(time.monotonic() - started)
+    for cache in (holder, other):
+        await cache.client.close()
+    assert min(held) >= 0.95 and max(held) <= 3.2, held

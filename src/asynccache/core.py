@@ -115,7 +115,9 @@ class AsyncKVCache:
     whole batch in one round trip), computes and writes it; the others wait for its
     value (polling, at most ``lease`` seconds) instead of computing it again. A holder
     that dies lets its lease expire and the next waiter takes it. Hits cost nothing
-    extra; store trouble during any of it means "compute here".
+    extra; store trouble during any of it means "compute here". A lease must outlast
+    what it covers: one compute here, and in a pipe a whole batch's misses (computed
+    one after another, then written together).
     """
 
     def __init__(
@@ -145,8 +147,8 @@ class AsyncKVCache:
             raise ConfigError(f"l1_bytes must be a positive int (bytes of encoded values "
                               f"kept in this process) or None, got {l1_bytes!r}")
         if lease is not None and (not isinstance(lease, int | float) or lease <= 0):
-            raise ConfigError(f"lease must be a positive number of seconds (the longest a "
-                              f"compute may take) or None, got {lease!r}")
+            raise ConfigError(f"lease must be a positive number of seconds (the longest one "
+                              f"batch of misses may take to compute) or None, got {lease!r}")
         self.client = client
         self.namespace = check_namespace(namespace)
         self.ttl = ttl
@@ -226,12 +228,15 @@ class AsyncKVCache:
             error = error or exc
         return result.values, error
 
-    def decode_blobs(self, store_keys: Sequence[bytes], blobs: Sequence[Any]
+    def decode_blobs(self, store_keys: Sequence[bytes], blobs: Sequence[Any],
+                     second_look: bool = False
                      ) -> tuple[list[Any], dict[int, ChunkManifest], int]:
         """Decode one multi-get reply: a value per key (``MISSING`` for absent or unusable
         bytes, ``NOT_READ`` passed through, :class:`Failed` in raise mode), the chunk
         manifests still to resolve, and the bytes the reply carried (what read-ahead
-        sizes its requests by). No I/O: any thread may call it."""
+        sizes its requests by). No I/O: any thread may call it. ``second_look``: keys
+        this process read a moment ago (see :meth:`claim`); bytes that fail to decode
+        were counted and logged then, and are a plain ``MISSING`` now."""
         out: list[Any] = [MISSING] * len(blobs)
         manifests: dict[int, ChunkManifest] = {}
         decode = self.codec.decode
@@ -247,7 +252,7 @@ class AsyncKVCache:
             try:
                 value = decode(blob, store_keys[i])
             except DecodeError as exc:
-                out[i] = self._decode_failed(store_keys[i], exc)
+                out[i] = MISSING if second_look else self._decode_failed(store_keys[i], exc)
                 continue
             if type(value) is ChunkManifest:
                 manifests[i] = value  # MISSING until its chunks are read
@@ -289,7 +294,8 @@ class AsyncKVCache:
         return MISSING
 
     async def resolve_chunks(self, store_keys: Sequence[bytes],
-                             manifests: dict[int, ChunkManifest], out: list[Any]) -> None:
+                             manifests: dict[int, ChunkManifest], out: list[Any],
+                             second_look: bool = False) -> None:
         """Replace ``out[i]`` by the joined value of each manifest (one request for all
         chunks; a missing or damaged chunk leaves the miss in place)."""
         plan = {i: _chunk_keys(store_keys[i], m) for i, m in manifests.items()}
@@ -305,39 +311,41 @@ class AsyncKVCache:
                 joined = join_chunks(parts, manifests[i])
                 out[i] = self.codec.decode(joined, store_keys[i])
             except DecodeError as exc:
-                out[i] = self._decode_failed(store_keys[i], exc)
+                out[i] = MISSING if second_look else self._decode_failed(store_keys[i], exc)
                 continue
             if self.l1 is not None:
                 self.l1.put(store_keys[i], joined)
 
     async def read_values(self, store_keys: Sequence[bytes],
-                          sizes: list[int] | None = None
+                          sizes: list[int] | None = None, second_look: bool = False
                           ) -> tuple[list[Any], StoreError | None]:
         """Decoded values (with the markers of the module docstring) and the first store
         failure. The whole read path of the loop thread; never raises for the store.
         Keys the L1 tier holds are not asked for. ``sizes`` gets the bytes the store's
-        reply carried appended (read-ahead sizes its requests by them)."""
+        reply carried appended (read-ahead sizes its requests by them). ``second_look``:
+        see :meth:`decode_blobs`."""
         if self.l1 is not None:
             values, missing = self.from_l1(store_keys)
             if not missing:
                 return values, None
             if len(missing) < len(store_keys):
                 asked = [store_keys[i] for i in missing]
-                found, error = await self.read_values_from_store(asked, sizes)
+                found, error = await self.read_values_from_store(asked, sizes, second_look)
                 for i, value in zip(missing, found):
                     values[i] = value
                 return values, error
-        return await self.read_values_from_store(store_keys, sizes)
+        return await self.read_values_from_store(store_keys, sizes, second_look)
 
     async def read_values_from_store(self, store_keys: Sequence[bytes],
-                                     sizes: list[int] | None = None
+                                     sizes: list[int] | None = None,
+                                     second_look: bool = False
                                      ) -> tuple[list[Any], StoreError | None]:
         blobs, error = await self.read_blobs(store_keys)
-        values, manifests, nbytes = self.decode_blobs(store_keys, blobs)
+        values, manifests, nbytes = self.decode_blobs(store_keys, blobs, second_look)
         if sizes is not None:
             sizes.append(nbytes)
         if manifests:
-            await self.resolve_chunks(store_keys, manifests, values)
+            await self.resolve_chunks(store_keys, manifests, values, second_look)
         return values, error
 
     def _outcomes(self, values: list[Any], error: StoreError | None) -> list[Any]:
@@ -609,7 +617,7 @@ class AsyncKVCache:
         theirs = [k for k, ok in zip(store_keys, taken) if not ok]
         if not got:
             return {}, [], theirs
-        values, _error = await self.read_values(got)  # trouble: what was read counts
+        values, _error = await self.read_values(got, second_look=True)  # trouble: what was read
         found = {k: v for k, v in zip(got, values)
                  if v is not MISSING and v is not NOT_READ and type(v) is not Failed}
         counters = self.counters.shard()
@@ -670,7 +678,7 @@ class AsyncKVCache:
         pending = list(store_keys)
         delay, longest = LEASE_POLL
         while pending:
-            values, error = await self.read_values(pending)
+            values, error = await self.read_values(pending, second_look=True)
             still = []
             for key, value in zip(pending, values):
                 if value is MISSING or value is NOT_READ or type(value) is Failed:

@@ -219,10 +219,12 @@ class CacheRuntime:
         what is ours, wait for the others' values; a lease that frees up while waiting
         (its holder died) is ours."""
         cache, loop = self.cache, self.loop
-        bound = self.client.timeout * 3 + 1
+        # requests of at most `timeout` each: a claim is add + read (+ chunks) + delete;
+        # a wait's last poll, after its deadline, is a read (+ chunks) and a claim
+        request = self.client.timeout
         keys = list(wanted)
         try:
-            found, mine, theirs = loop.call(cache.claim(keys), bound + self.client.timeout)
+            found, mine, theirs = loop.call(cache.claim(keys), request * 4 + 1)
         except concurrent.futures.TimeoutError:
             found, mine, theirs = {}, keys, []
         computed = self._compute_mine({k: wanted[k] for k in mine}, fn)
@@ -231,7 +233,7 @@ class CacheRuntime:
             lease = self.lease or 0.0
             try:
                 found, mine = loop.call(cache.wait_for_values(theirs),
-                                        lease + self.client.expiry_slack + bound)
+                                        lease + self.client.expiry_slack + request * 6 + 1)
             except concurrent.futures.TimeoutError:
                 found, mine = {}, theirs
             computed.update(found)

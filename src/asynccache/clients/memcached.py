@@ -513,9 +513,12 @@ class MemcachedClient(BaseClient[_MemcachedState]):
         return found
 
     async def add_many(self, entries: Mapping[bytes, bytes], ttl: float) -> list[bool]:
-        """memcached ``add`` per key (whole seconds: a lease rounds up to 1 s)."""
+        """memcached ``add`` per key. Its clock moves once a second, so an exptime of
+        ``n`` seconds ends anywhere in ``(n - 1, n]``: a lease that ended early would let
+        another process compute what this one is computing. One second more keeps each
+        key at least ``ttl``, and at most two seconds beyond it."""
         nodes = self._state().nodes
-        exptime = _exptime(ttl)
+        exptime = _exptime(ttl + 1)
         keys = list(entries)
         groups: dict[int, list[int]] = {}
         safe = [safe_memcached_key(k) for k in keys]
