@@ -102,6 +102,11 @@ class Failed:
         return f"Failed({self.error!r})"
 
 
+def _is_value(value: Any) -> bool:
+    """A read that found a usable value: not a miss, not unread, not a failure."""
+    return value is not MISSING and value is not NOT_READ and type(value) is not Failed
+
+
 class AsyncKVCache:
     """Object cache over a byte store client, for use inside one event loop.
 
@@ -618,8 +623,7 @@ class AsyncKVCache:
         if not got:
             return {}, [], theirs
         values, _error = await self.read_values(got, second_look=True)  # trouble: what was read
-        found = {k: v for k, v in zip(got, values)
-                 if v is not MISSING and v is not NOT_READ and type(v) is not Failed}
+        found = {k: v for k, v in zip(got, values) if _is_value(v)}
         counters = self.counters.shard()
         if not found:
             counters["leases"] += len(got)
@@ -681,10 +685,10 @@ class AsyncKVCache:
             values, error = await self.read_values(pending, second_look=True)
             still = []
             for key, value in zip(pending, values):
-                if value is MISSING or value is NOT_READ or type(value) is Failed:
-                    still.append(key)
-                else:
+                if _is_value(value):
                     found[key] = value
+                else:
+                    still.append(key)
             counters["lease_hits"] += len(pending) - len(still)
             if error is not None:  # the store is in trouble: compute the rest here
                 mine += still
