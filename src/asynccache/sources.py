@@ -31,6 +31,7 @@ import asyncio
 import collections
 import concurrent.futures
 import inspect
+import logging
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -43,6 +44,8 @@ from .errors import CacheError, LoopError, StoreError
 from .loop import LoopThread
 
 __all__ = ["L1Source", "LoopSource", "ReadSource", "SocketSource", "Ticket"]
+
+logger = logging.getLogger("asynccache")
 
 #: a consumer that did not call into its source for this long was away (see resume)
 AWAY = 0.05
@@ -197,7 +200,8 @@ class SocketSource(ReadSource):
             self._lost(ci, exc)
             return
         for reply in replies:
-            self._arrived(ci, reply)
+            if not self._arrived(ci, reply):
+                return  # the rest came on a stream that is not trusted any more
 
     def advance(self, ticket: Ticket) -> list[Ticket]:
         self.resume()
@@ -236,8 +240,22 @@ class SocketSource(ReadSource):
             self._arrived(ci, reply)
         return True
 
-    def _arrived(self, ci: int, reply: list[Any]) -> None:
-        ticket, positions, sent = self.parts[ci].popleft()
+    def _arrived(self, ci: int, reply: list[Any]) -> bool:
+        """Match a reply to the oldest part on its wire; False (and the connection
+        dropped) when it cannot be that part's."""
+        parts = self.parts[ci]
+        if not parts:  # a reply nobody on this wire asked for: the stream is not ours
+            self._lost(ci, StoreError(f"{self.conns[ci].node} answered a request that was "
+                                      "never sent; its connection is dropped"))
+            return False
+        ticket, positions, sent = parts[0]
+        if len(reply) != (len(ticket.keys) if positions is None else len(positions)):
+            self._lost(ci, StoreError(
+                f"{self.conns[ci].node} answered {len(reply)} values to a request for "
+                f"{len(ticket.keys) if positions is None else len(positions)} keys; its "
+                "connection is dropped (no reply is matched to another request)"))
+            return False
+        parts.popleft()
         self.histograms.record("read", time.perf_counter_ns() - sent)
         if positions is None:
             ticket.values = reply
@@ -249,10 +267,20 @@ class SocketSource(ReadSource):
         ticket.remaining -= 1
         if not ticket.remaining:
             self._finish(ticket)
+        return True
 
     def _lost(self, ci: int, exc: StoreError) -> None:
-        """Connection ``ci`` broke (it closed itself): every part on its wire is lost."""
-        self.policy.failed(self.conns[ci].node, "get", exc)
+        """Connection ``ci`` failed: it is dropped together with every request queued on
+        it (closed, so that no reply still buffered in it can ever be matched to a request
+        sent later: the next request opens a fresh one), and every part on its wire is
+        lost."""
+        conn = self.conns[ci]
+        self.policy.failed(conn.node, "get", exc)
+        try:
+            conn.close()
+        except Exception as failed:  # a provider's close() must not stop the reads
+            logger.debug("asynccache: closing the connection to %s failed: %r", conn.node,
+                         failed)
         parts = self.parts[ci]
         now = time.perf_counter_ns()
         while parts:

@@ -117,7 +117,7 @@ class BlockingRespConnection:
                 if refused is not None:
                     raise refused
         except BaseException:
-            self.close()
+            self._close_socket()
             raise
         if self.big:  # setup replies are hiredis' (they are not MGET replies)
             self.parser = self._new_parser()
@@ -141,6 +141,12 @@ class BlockingRespConnection:
         self.parser = self._new_parser()
 
     def close(self) -> None:
+        """Close the connection and forget every request and reply queued on it: a reply
+        of this stream can never be matched to a request sent after (the next request
+        opens a fresh connection)."""
+        self._fail()
+
+    def _close_socket(self) -> None:
         if self.sock is not None:
             self.sock.close()
         self.sock = None
@@ -148,7 +154,7 @@ class BlockingRespConnection:
     def __del__(self) -> None:
         # A consumer thread's connection dies with its owner (a pipe or node that was
         # dropped without close(), a thread that ended): close the socket, quietly.
-        self.close()
+        self._close_socket()
 
     # -- requests ---------------------------------------------------------------------
     def send_get(self, keys: Sequence[bytes]) -> None:
@@ -157,7 +163,7 @@ class BlockingRespConnection:
         if self.big != (self.value_bytes >= (BIG_VALUE // 4 if self.big else BIG_VALUE)):
             self._switch_parser()
         if self.sock is not None and not self.pending and readable_while_idle(self.sock):
-            self.close()  # the server closed it while idle: replace it quietly
+            self._close_socket()  # the server closed it while idle: replace it quietly
         if self.sock is None:
             self._connect()
         if not self.pending:
@@ -368,7 +374,7 @@ class BlockingRespConnection:
                 f"{closed_hint(self.endpoint.tls)}") from exc
         self._may_retry = False
         requests = list(self.pending)
-        self.close()
+        self._close_socket()
         try:
             self._connect()
             for deadline, packed in requests:
@@ -382,7 +388,7 @@ class BlockingRespConnection:
         self.pending.clear()
         self.stash.clear()
         self._may_retry = False
-        self.close()
+        self._close_socket()
 
     def _timeout(self) -> StoreTimeout:
         self._fail()

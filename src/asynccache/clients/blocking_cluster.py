@@ -86,7 +86,7 @@ class BlockingClusterConnection(BlockingRespConnection):
             if (self.sock is not None and not self.pending
                     and now - self._active > IDLE_CHECK_AFTER
                     and readable_while_idle(self.sock)):
-                self.close()  # the server closed it while idle: replace it quietly
+                self._close_socket()  # the server closed it while idle: replace it quietly
             if self.sock is None:
                 self._connect()
             if not self.pending:

@@ -126,6 +126,12 @@ class BlockingMemcachedConnection:
         return bool(self.parser.buffered) or readable_while_idle(self.sock)
 
     def close(self) -> None:
+        """Close the connection and forget every request and reply queued on it: a reply
+        of this stream can never be matched to a request sent after (the next request
+        opens a fresh connection)."""
+        self._fail()
+
+    def _close_socket(self) -> None:
         if self.sock is not None:
             self.sock.close()
         self.sock = None
@@ -133,7 +139,7 @@ class BlockingMemcachedConnection:
     def __del__(self) -> None:
         # A consumer thread's connection dies with its owner (a pipe or node that was
         # dropped without close(), a thread that ended): close the socket, quietly.
-        self.close()
+        self._close_socket()
 
     # -- requests ---------------------------------------------------------------------
     def send_get(self, keys: Sequence[bytes]) -> None:
@@ -141,7 +147,7 @@ class BlockingMemcachedConnection:
         :meth:`receive`, one per key of ``keys`` (``None`` where absent)."""
         get = _Get(keys, self.max_batch, 0.0)
         if self.sock is not None and not self.pending and self._idle_and_closed():
-            self.close()  # the server closed it while idle: replace it quietly
+            self._close_socket()  # the server closed it while idle: replace it quietly
         if self.sock is None:
             self._connect()
         if not self.pending:
@@ -312,7 +318,7 @@ class BlockingMemcachedConnection:
                 f"memcached connection to {self.node} failed: {exc}"
                 f"{closed_hint(self.tls)}") from exc
         self._may_retry = False
-        self.close()
+        self._close_socket()
         try:
             self._connect()
             for get in self.pending:
@@ -326,7 +332,7 @@ class BlockingMemcachedConnection:
         """Forget what was in flight and close: a broken stream is never reused."""
         self.pending.clear()
         self._may_retry = False
-        self.close()
+        self._close_socket()
 
     def _timeout(self) -> StoreTimeout:
         self._fail()
