@@ -1038,6 +1038,8 @@ class Codec:
         """
         if type(obj) is ChunkManifest:
             raise EncodeError("ChunkManifest is reserved for chunked values: use encode_manifest")
+        if type(obj) is memoryview:  # bytes-like, but not picklable: stored (and read) as bytes
+            obj = obj.tobytes()
         if not self.allow_pickle:
             stream, raws = _plain().dumps(obj)
             if not raws:

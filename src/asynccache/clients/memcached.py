@@ -513,12 +513,10 @@ class MemcachedClient(BaseClient[_MemcachedState]):
         return found
 
     async def add_many(self, entries: Mapping[bytes, bytes], ttl: float) -> list[bool]:
-        """memcached ``add`` per key. Its clock moves once a second, so an exptime of
-        ``n`` seconds ends anywhere in ``(n - 1, n]``: a lease that ended early would let
-        another process compute what this one is computing. One second more keeps each
-        key at least ``ttl``, and at most two seconds beyond it."""
+        """memcached ``add`` per key, expiring by :func:`_exptime` (a lease that ended
+        early would let another process compute what this one is computing)."""
         nodes = self._state().nodes
-        exptime = _exptime(ttl + 1)
+        exptime = _exptime(ttl)
         keys = list(entries)
         groups: dict[int, list[int]] = {}
         safe = [safe_memcached_key(k) for k in keys]
@@ -571,8 +569,13 @@ async def _concurrently(calls: list[Awaitable[T]]) -> list[T]:
 
 
 def _exptime(ttl: float | None) -> int:
-    """memcached's exptime: seconds, or an absolute unix time beyond 30 days."""
+    """memcached's exptime for ``ttl`` seconds: whole seconds, rounded up, plus one.
+
+    Its clock moves once a second, so an exptime of ``n`` ends anywhere in ``(n - 1,
+    n]`` after the write: ``ceil(ttl) + 1`` keeps every value at least ``ttl`` (0.1 s
+    lives 1-2 s, 60 s lives 61-62 s). Beyond 30 days memcached reads an absolute Unix
+    time."""
     if ttl is None:
         return 0
-    seconds = max(1, math.ceil(ttl))
+    seconds = math.ceil(ttl) + 1
     return seconds if seconds <= _THIRTY_DAYS else int(time.time()) + seconds
