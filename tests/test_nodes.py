@@ -217,8 +217,8 @@ def test_bad_arguments(ds: Dataset) -> None:
     with pytest.raises(ac.ConfigError, match="method"):
         CachedMapper(IterableWrapper([1]), ds.__getitem__, client, method="gpu")  # type: ignore[arg-type]
     node = CachedMapper(IterableWrapper([1]), ds.__getitem__, client)
-    assert node.namespace.startswith("auto-")
-    assert node.namespace == CachedMapper(IterableWrapper([2]), ds.__getitem__,
+    assert node.namespace.startswith("anon-")
+    assert node.namespace != CachedMapper(IterableWrapper([2]), ds.__getitem__,
                                           client).namespace
 
 

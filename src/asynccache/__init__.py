@@ -23,7 +23,7 @@ from .clients import BaseClient, MemcachedClient, MemoryClient, RedisClient, Red
 from .codec import Codec
 from .connect import connect
 from .core import MISSING, AsyncKVCache
-from .datapipe import AsyncKVCacheMapDataPipe, derive_namespace
+from .datapipe import AsyncKVCacheMapDataPipe
 from .errors import (
     CacheError,
     ConfigError,
@@ -78,7 +78,6 @@ __all__ = [
     "ValueTooLarge",
     "__version__",
     "connect",
-    "derive_namespace",
     "register_scheme",
 ]
 

@@ -10,7 +10,7 @@ back or raise).
 
 Store key scheme (documented contract)::
 
-    b"ac:" + namespace + b":" + encode_key(key)     # see asynccache.keys
+    b"ac:" + namespace + b":" + encode_key(key)     # see asynccache.keys (Keyspace)
 
 A chunked value keeps a small manifest under its key and its chunks under keys of their
 own, in the same namespace (:func:`asynccache.keys.chunk_keys`).
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import itertools
 import logging
 import os
 import secrets
@@ -45,18 +44,20 @@ from .errors import (
     ConfigError,
     DecodeError,
     FormatMismatch,
-    KeyTooLong,
     StoreError,
     StoreTimeout,
     ValueTooLarge,
 )
+from .expiry import check_ttl
 from .health import FailurePolicy, OnError
 from .histogram import Histograms, Latency
-from .keys import check_namespace, chunk_keys, encode_key, lease_key, namespace_prefix
+from .keys import DEFAULT_MAX_KEY_SIZE, Keyspace, chunk_keys, lease_key
 from .l1 import L1Cache
 from .stats import Counters
+from .writes import Batch, WriteQueue
 
-__all__ = ["MISSING", "NOT_READ", "AsyncKVCache", "Failed", "Key", "OnError"]
+__all__ = ["MISSING", "NOT_READ", "AsyncKVCache", "Failed", "Key", "OnError", "check_settings",
+           "is_value"]
 
 Key = Any  # int-like, str, bytes or tuples of them: see asynccache.keys
 
@@ -89,6 +90,9 @@ class _Missing:
 
 MISSING: Any = _Missing()
 
+#: Values no reader can change in place: handed to every reader as they are.
+_IMMUTABLE = frozenset({bool, int, float, complex, str, bytes, type(None)})
+
 
 class Failed:
     """A value that failed to decode, in raise mode: raised where it is consumed."""
@@ -102,9 +106,26 @@ class Failed:
         return f"Failed({self.error!r})"
 
 
-def _is_value(value: Any) -> bool:
+def is_value(value: Any) -> bool:
     """A read that found a usable value: not a miss, not unread, not a failure."""
     return value is not MISSING and value is not NOT_READ and type(value) is not Failed
+
+
+def check_settings(client: Any, on_error: Any, lease: Any, l1_bytes: Any) -> None:
+    """Raise ConfigError for settings a cache, a pipe or a node cannot use (said in the
+    caller, at construction, not later in a DataLoader worker)."""
+    if not isinstance(client, BaseClient):
+        raise ConfigError(
+            f"client must come from asynccache.connect(url), got {type(client).__name__}"
+        )
+    if on_error not in ("fallback", "raise"):
+        raise ConfigError(f"on_error must be 'fallback' or 'raise', got {on_error!r}")
+    if l1_bytes is not None and (type(l1_bytes) is not int or l1_bytes <= 0):
+        raise ConfigError(f"l1_bytes must be a positive int (bytes of encoded values "
+                          f"kept in this process) or None, got {l1_bytes!r}")
+    if lease is not None:
+        check_ttl(lease, "lease (the longest one batch of misses may take to compute, in "
+                         "seconds)")
 
 
 class AsyncKVCache:
@@ -128,44 +149,37 @@ class AsyncKVCache:
     def __init__(
         self,
         client: BaseClient[Any],
-        namespace: str | None = None,
-        ttl: float | None = None,
+        namespace: str | Keyspace | None = None,
+        ttl: Any = None,
         codec: Codec | None = None,
         on_error: OnError = "fallback",
         *,
         chunking: bool = True,
-        max_key_size: int = 1024,
+        max_key_size: int = DEFAULT_MAX_KEY_SIZE,
         max_in_flight: int = 4,
         max_pending_writes: int = 10_000,
-        lease: float | None = None,
+        lease: Any = None,
         l1_bytes: int | None = None,
     ) -> None:
-        if not isinstance(client, BaseClient):
-            raise ConfigError(
-                f"client must come from asynccache.connect(url), got {type(client).__name__}"
-            )
-        if on_error not in ("fallback", "raise"):
-            raise ConfigError(f"on_error must be 'fallback' or 'raise', got {on_error!r}")
-        if ttl is not None and ttl <= 0:
-            raise ConfigError(f"ttl must be a positive number of seconds or None, got {ttl!r}")
-        if l1_bytes is not None and (type(l1_bytes) is not int or l1_bytes <= 0):
-            raise ConfigError(f"l1_bytes must be a positive int (bytes of encoded values "
-                              f"kept in this process) or None, got {l1_bytes!r}")
-        if lease is not None and (not isinstance(lease, int | float) or lease <= 0):
-            raise ConfigError(f"lease must be a positive number of seconds (the longest one "
-                              f"batch of misses may take to compute) or None, got {lease!r}")
+        check_settings(client, on_error, lease, l1_bytes)
         self.client = client
-        self.namespace = check_namespace(namespace)
-        self.ttl = ttl
+        #: the namespace and its key rule (a pipe or node passes its own, so that the
+        #: cache of each of its copies builds the same keys)
+        self.keyspace = (namespace if isinstance(namespace, Keyspace)
+                         else Keyspace(namespace, max_key_size))
+        self.namespace = self.keyspace.namespace
+        self.ttl = self.keyspace.ttl(check_ttl(ttl))
         self.codec = codec if codec is not None else DEFAULT_CODEC
         self.on_error: OnError = on_error
         self.chunking = chunking
-        self.max_key_size = max_key_size
+        self.max_key_size = self.keyspace.max_key_size
         self.max_pending_writes = max_pending_writes
-        self.lease = lease
+        self.lease = check_ttl(lease, "lease")
         #: the in-process tier in front of the store (``l1_bytes``), fed by every decode
         self.l1 = L1Cache(l1_bytes) if l1_bytes else None
-        self.prefix = namespace_prefix(self.namespace)
+        self.prefix = self.keyspace.prefix
+        #: values written behind and not yet acknowledged (read-your-writes asks it)
+        self.writes = WriteQueue(max_pending_writes)
         self._max_in_flight = max_in_flight
         self.counters = Counters()
         #: durations of store requests (one record per request, never per item)
@@ -197,13 +211,18 @@ class AsyncKVCache:
     # -- keys -------------------------------------------------------------------------
     def key(self, key: Key) -> bytes:
         """The store key for ``key`` (see :mod:`asynccache.keys` for the scheme)."""
-        store_key = self.prefix + encode_key(key)
-        if len(store_key) > self.max_key_size:
-            raise KeyTooLong(
-                f"store key for {key!r:.60} is {len(store_key)} bytes, over max_key_size="
-                f"{self.max_key_size}; hash long keys yourself or raise max_key_size"
-            )
-        return store_key
+        return self.keyspace.key(key)
+
+    def _ttl(self, ttl: Any) -> float | None:
+        """A call's ``ttl`` (``MISSING``: the cache's), checked by the one TTL rule."""
+        return self.ttl if ttl is MISSING else self.keyspace.ttl(check_ttl(ttl))
+
+    def copy_of(self, store_key: bytes, value: Any) -> Any:
+        """An object of its own with ``value``'s content, as a second reader of the same
+        key gets it: encoded and decoded again (only where a key repeats)."""
+        if value is None or type(value) in _IMMUTABLE:
+            return value
+        return self.codec.decode(self.codec.encode(value, store_key), store_key)
 
     # -- reads ------------------------------------------------------------------------
     async def read_blobs(self, store_keys: Sequence[bytes]
@@ -420,29 +439,44 @@ class AsyncKVCache:
                 raise
             return
         for key, value in zip(keys, values):
+            given = False
             for fut in pending[key]:
                 if fut.done():
                     continue
                 if type(value) is Failed:
                     fut.set_exception(value.error)
-                else:
+                elif not given or value is MISSING:
                     fut.set_result(value)
+                    given = True
+                else:  # coalesced callers of one key: each gets an object of its own
+                    try:
+                        fut.set_result(self.copy_of(key, value))
+                    except CacheError as exc:
+                        fut.set_exception(exc)
 
     # -- writes -----------------------------------------------------------------------
-    def encode_entries(self, mapping: Mapping[bytes, Any]) -> dict[bytes, bytes]:
-        """Store-ready ``{store key: blob}`` for ``{store key: value}``, chunked if needed.
-
-        Pure (no I/O, no loop state), so it may run in any thread. Raises
-        :class:`~asynccache.errors.EncodeError` / ``ValueTooLarge`` for the user to fix.
-        """
-        limit = self.client.max_value_size
-        entries: dict[bytes, bytes] = {}
-        codec = self.codec
-        for store_key, value in mapping.items():
-            blob = codec.encode(value, store_key)
-            if self.l1 is not None:
+    def encode_values(self, mapping: Mapping[bytes, Any]) -> dict[bytes, bytes]:
+        """``{store key: blob}`` for ``{store key: value}``: each value encoded whole, bound
+        to its key. Pure (no I/O, no loop state), so it may run in any thread. Raises
+        :class:`~asynccache.errors.EncodeError` for the user to fix."""
+        encode = self.codec.encode
+        blobs = {store_key: encode(value, store_key) for store_key, value in mapping.items()}
+        if self.l1 is not None:
+            for store_key, blob in blobs.items():
                 self.l1.put(store_key, blob)  # a computed item reused soon is an L1 hit
-            if limit is None or len(blob) <= limit:
+        return blobs
+
+    def entries_for(self, blobs: Mapping[bytes, bytes]) -> dict[bytes, bytes]:
+        """Store-ready entries for encoded values: a value over the store's item limit
+        becomes its chunks and, last, a manifest under its own key (so that a writer
+        that writes entries in order has written every chunk when the manifest lands).
+        ``ValueTooLarge`` when chunking is off."""
+        limit = self.client.max_value_size
+        if limit is None or all(len(b) <= limit for b in blobs.values()):
+            return dict(blobs)
+        entries: dict[bytes, bytes] = {}
+        for store_key, blob in blobs.items():
+            if len(blob) <= limit:
                 entries[store_key] = blob
                 continue
             if not self.chunking:
@@ -455,9 +489,14 @@ class AsyncKVCache:
             parts = split_chunks(blob, chunk_size)
             for chunk_key, part in zip(_chunk_keys(store_key, manifest), parts):
                 entries[chunk_key] = bytes(part)
-            entries[store_key] = codec.encode_manifest(manifest, store_key)
+            entries[store_key] = self.codec.encode_manifest(manifest, store_key)
             self.counters.shard()["chunked_values"] += 1
         return entries
+
+    def encode_entries(self, mapping: Mapping[bytes, Any]) -> dict[bytes, bytes]:
+        """Store-ready ``{store key: blob}`` for ``{store key: value}``, chunked if needed
+        (:meth:`encode_values` then :meth:`entries_for`). Any thread."""
+        return self.entries_for(self.encode_values(mapping))
 
     async def write_entries(self, entries: Mapping[bytes, bytes], ttl: Any = MISSING) -> bool:
         """Write encoded entries now, in requests of at most WRITE_REQUEST_BYTES.
@@ -465,7 +504,7 @@ class AsyncKVCache:
         True when every entry was written; failures are counted, logged once and, in
         raise mode, raised (the first of them).
         """
-        ttl = self.ttl if ttl is MISSING else ttl
+        ttl = self._ttl(ttl)
         ok = True
         first_error: StoreError | None = None
         for part in _write_requests(entries, self.client.max_batch * 4):
@@ -505,45 +544,80 @@ class AsyncKVCache:
         return dropped == 0
 
     async def set_many(self, mapping: Mapping[Key, Any], ttl: Any = MISSING) -> None:
-        """Store every pair now (``ttl``: seconds, ``None`` for none, default the cache's)."""
+        """Store every pair now (``ttl``: seconds or a timedelta, ``None`` for none,
+        default the cache's)."""
+        ttl = self._ttl(ttl)
         entries = self.encode_entries({self.key(k): v for k, v in mapping.items()})
         await self.write_entries(entries, ttl)
 
     async def set(self, key: Key, value: Any, ttl: Any = MISSING) -> None:
         await self.set_many({key: value}, ttl)
 
-    def write_behind(self, entries: Mapping[bytes, bytes]) -> None:
-        """Queue encoded entries; a background task writes them in batches.
+    def write_later(self, blobs: Mapping[bytes, bytes]) -> bool:
+        """Queue encoded values (``{store key: blob}``) for write-behind, from any thread.
 
-        Must be called from the cache's loop (use ``loop.call_soon_threadsafe`` from
-        other threads). :meth:`flush` waits until everything queued so far is written.
-        """
+        Until the store acknowledges them, :meth:`recall` hands them back. True when
+        the loop's writer must be started: call :meth:`start_writer` in the cache's loop
+        (``loop.call_soon_threadsafe`` from another thread)."""
+        wake, dropped = self.writes.put(blobs, self.entries_for(blobs))
+        if dropped:
+            self.counters.shard()["writes_dropped"] += dropped
+        return wake
+
+    def write_behind(self, blobs: Mapping[bytes, bytes]) -> None:
+        """:meth:`write_later` from the cache's own loop. :meth:`flush` waits until
+        everything queued so far is written."""
+        self.write_later(blobs)
+        self.start_writer()
+
+    def start_writer(self) -> None:
+        """Start this loop's writer if entries are queued and none is at work (loop)."""
         ls = self._ls()
-        ls.writes.update(entries)
-        overflow = len(ls.writes) - self.max_pending_writes
-        if overflow > 0:
-            for key in list(ls.writes)[:overflow]:
-                del ls.writes[key]
-            self.counters.shard()["writes_dropped"] += overflow
-        if ls.writer is None or ls.writer.done():
-            ls.writer = ls.spawn(self._drain_writes(ls))
+        if (ls.writer is None or ls.writer.done()) and len(self.writes):
+            ls.writer = ls.spawn(self._drain_writes())
 
-    async def _drain_writes(self, ls: _LoopState) -> None:
-        while ls.writes:
-            batch_keys = list(itertools.islice(ls.writes, self.client.max_batch * 4))
-            batch = {k: ls.writes.pop(k) for k in batch_keys}
+    async def _drain_writes(self) -> None:
+        writes, max_keys = self.writes, self.client.max_batch * 4
+        while (batch := writes.take(max_keys)) is not None:
             try:
-                await self.write_entries(batch)
-            except StoreError:
-                pass  # raise mode: counted by the policy; nobody waits on write-behind
+                await self._write_batch(batch)
+            finally:
+                writes.done(batch)
+
+    async def _write_batch(self, batch: Batch) -> None:
+        try:
+            await self.write_entries(batch.entries)
+        except StoreError:
+            pass  # raise mode: counted by the policy; nobody waits on write-behind
 
     async def flush(self) -> None:
         """Wait for queued write-behind entries to reach the store (or be dropped)."""
         state = self._loop_state
         if state is None or state.loop is not asyncio.get_running_loop():
-            return
+            if not len(self.writes):
+                return
+            state = self._ls()
+        self.start_writer()
         while state.writer is not None and not state.writer.done():
             await asyncio.shield(state.writer)
+            self.start_writer()  # queued meanwhile by another thread
+
+    def recall(self, store_keys: Sequence[bytes]) -> tuple[dict[bytes, Any], list[bytes]]:
+        """For keys that missed: values this process wrote and the store has not
+        acknowledged (decoded afresh: an object of their own), and the keys acknowledged
+        lately, which the store now holds (read them again rather than compute them).
+        Any thread; only misses ask."""
+        blobs, again = self.writes.recall(store_keys)
+        found: dict[bytes, Any] = {}
+        decode = self.codec.decode
+        for key, blob in blobs.items():
+            try:
+                found[key] = decode(blob, key)
+            except DecodeError:  # bytes this process encoded: cannot happen; be safe
+                again.append(key)
+        if found:
+            self.counters.shard()["recalled"] += len(found)
+        return found, again
 
     async def delete_many(self, keys: Iterable[Key]) -> None:
         store_keys = [self.key(k) for k in keys]
@@ -562,20 +636,24 @@ class AsyncKVCache:
         """The cached value, or ``compute()`` (sync or async) stored and returned.
 
         Concurrent calls for the same key in this loop compute once; with ``lease``, so
-        do calls in other processes.
+        do calls in other processes. Every caller gets an object of its own.
         """
+        ttl = self._ttl(ttl)
         value = await self.get(key, MISSING)
         if value is not MISSING:
             return value
         ls = self._ls()
         store_key = self.key(key)
-        running = ls.computing.get(store_key)
-        if running is not None:
-            return await asyncio.shield(running)
-        task = ls.loop.create_task(self._compute_and_store(key, store_key, compute, ttl))
-        ls.computing[store_key] = task
-        task.add_done_callback(lambda _t: ls.computing.pop(store_key, None))
-        return await asyncio.shield(task)
+        shared = ls.computing.get(store_key)
+        if shared is None:
+            task = ls.loop.create_task(self._compute_and_store(key, store_key, compute, ttl))
+            shared = ls.computing[store_key] = _Shared(task)
+            task.add_done_callback(lambda _t: ls.computing.pop(store_key, None))
+        value = await asyncio.shield(shared.task)
+        if shared.taken:  # another caller has this object: this one gets its own
+            return self.copy_of(store_key, value)
+        shared.taken = True
+        return value
 
     async def _compute_and_store(self, key: Key, store_key: bytes,
                                  compute: Callable[[], Any], ttl: Any) -> Any:
@@ -623,7 +701,7 @@ class AsyncKVCache:
         if not got:
             return {}, [], theirs
         values, _error = await self.read_values(got, second_look=True)  # trouble: what was read
-        found = {k: v for k, v in zip(got, values) if _is_value(v)}
+        found = {k: v for k, v in zip(got, values) if is_value(v)}
         counters = self.counters.shard()
         if not found:
             counters["leases"] += len(got)
@@ -636,8 +714,10 @@ class AsyncKVCache:
 
     async def _add_leases(self, store_keys: Sequence[bytes]) -> list[bool] | None:
         """``add_many`` of our token on each key's lease: True where it was free. None
-        when leases cannot be taken now (store trouble, or a store without them)."""
-        if self.lease is None or not store_keys:
+        when leases cannot be taken now (store trouble, a node backing off, or a store
+        without them): a miss then costs what it costs without ``lease=``, never a round
+        trip to a node known to be down."""
+        if self.lease is None or not store_keys or self.policy.down():
             return None
         token = self.lease_token
         try:
@@ -657,8 +737,8 @@ class AsyncKVCache:
     async def release_leases(self, store_keys: Sequence[bytes]) -> None:
         """Drop our leases once the values are written (waiters see the value first; a
         write that failed lets a waiter take the lease at once instead of at expiry)."""
-        if self.lease is None or not store_keys:
-            return
+        if self.lease is None or not store_keys or self.policy.down():
+            return  # a node backing off: the leases expire on their own
         try:
             await self.client.delete_many([lease_key(k) for k in store_keys])
         except StoreError as exc:
@@ -685,7 +765,7 @@ class AsyncKVCache:
             values, error = await self.read_values(pending, second_look=True)
             still = []
             for key, value in zip(pending, values):
-                if _is_value(value):
+                if is_value(value):
                     found[key] = value
                 else:
                     still.append(key)
@@ -729,8 +809,19 @@ class AsyncKVCache:
         return f"AsyncKVCache({self.client!r}, namespace={self.namespace!r}, ttl={self.ttl!r})"
 
 
+class _Shared:
+    """One computation that several callers await; the first to take its result gets
+    the object, the others copies of it."""
+
+    __slots__ = ("taken", "task")
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.task = task
+        self.taken = False
+
+
 class _LoopState:
-    """What a cache holds per event loop: coalescing buffer, tasks, write queue."""
+    """What a cache holds per event loop: coalescing buffer, tasks, the writer task."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, max_in_flight: int) -> None:
         self.loop = loop
@@ -738,9 +829,8 @@ class _LoopState:
         self.pending: dict[bytes, list[asyncio.Future[Any]]] = {}
         self.flush_scheduled = False
         self.tasks: set[asyncio.Task[Any]] = set()
-        self.writes: dict[bytes, bytes] = {}
         self.writer: asyncio.Task[None] | None = None
-        self.computing: dict[bytes, asyncio.Task[Any]] = {}
+        self.computing: dict[bytes, _Shared] = {}
 
     def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
         task = self.loop.create_task(coro)  # type: ignore[arg-type]

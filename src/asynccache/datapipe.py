@@ -18,12 +18,15 @@ window, ready buffer and, for Redis, its own socket — so threads never share m
 read state; writes go through one locked queue; counters are per-thread shards summed
 by :meth:`~AsyncKVCacheMapDataPipe.stats`.
 
-Namespace derivation (when ``namespace=None``): ``"auto-" + sha1`` of the source's
-class (module and qualified name), its length and, when the source is a torch
-``MapDataPipe`` chain, the name of each stage and of its function. This separates
-different datasets and lengths, but it cannot see inside your ``__getitem__``: change
-the code or the data behind it and the old values are served. Give an explicit,
-versioned namespace (``"imagenet-train-v3"``) for anything long-lived.
+Namespaces. Without ``namespace=`` a pipe gets one of its own (``anon-`` + random hex),
+shared by its pickled copies (DataLoader workers, every epoch) and by nothing else: two
+pipelines never read each other's values, whatever their classes, lengths or function
+names. Its values expire after a day (see :mod:`asynccache.keys`). To reuse values
+across runs and jobs give an explicit, versioned namespace (``"imagenet-train-v3"``),
+and change it when the data or the code behind ``__getitem__`` changes.
+
+Every reader gets an object of its own: a batch that holds an index twice gets two
+objects, so a collate that changes samples in place never changes another position.
 
 Keys: ``key_for(i) == b"ac:" + namespace + b":" + str(i)`` for an int index.
 """
@@ -31,7 +34,6 @@ Keys: ``key_for(i) == b"ac:" + namespace + b":" + str(i)`` for an int index.
 from __future__ import annotations
 
 import copy
-import hashlib
 import operator
 import os
 import secrets
@@ -45,9 +47,10 @@ from . import _fork
 from ._fork import park_inherited
 from .clients.base import BaseClient
 from .codec import Codec
-from .core import MISSING, AsyncKVCache, OnError
-from .errors import ConfigError, KeyTooLong
-from .keys import encode_key
+from .core import MISSING, AsyncKVCache, OnError, check_settings
+from .errors import ConfigError
+from .expiry import check_ttl
+from .keys import Keyspace
 from .prefetch import DEFAULT_PREFETCH_BYTES, Prefetcher
 from .runtime import CacheRuntime, Reports
 
@@ -58,7 +61,7 @@ except ImportError:  # pragma: no cover - exercised only where torch is absent
     _Base = object  # type: ignore[assignment,misc]
     _functional_datapipe = None
 
-__all__ = ["AsyncKVCacheMapDataPipe", "derive_namespace"]
+__all__ = ["AsyncKVCacheMapDataPipe"]
 
 #: How long close() / worker exit may spend flushing pending writes, in seconds.
 CLOSE_TIMEOUT = 10.0
@@ -75,25 +78,6 @@ def _new_runtime_lock() -> None:
 
 
 os.register_at_fork(after_in_child=_new_runtime_lock)
-
-
-def derive_namespace(source: Any) -> str:
-    """A deterministic namespace for ``source`` (see the module docstring for limits)."""
-    parts = [type(source).__module__, type(source).__qualname__]
-    try:
-        parts.append(str(len(source)))
-    except TypeError:
-        pass
-    node, seen = source, 0
-    while node is not None and seen < 32:  # a torch datapipe chain: name each stage
-        parts.append(type(node).__qualname__)
-        fn = getattr(node, "fn", None)
-        if fn is not None:
-            parts.append(getattr(fn, "__module__", "") + "." + getattr(fn, "__qualname__", ""))
-        node = getattr(node, "datapipe", None)
-        seen += 1
-    digest = hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
-    return f"auto-{digest}"
 
 
 def _mapping_behind(source: Any) -> Mapping[Any, Any] | None:
@@ -162,7 +146,7 @@ class _Runtime(CacheRuntime):
     """A pipe's runtime: the shared parts plus one prefetcher per consumer thread."""
 
     def __init__(self, pipe: AsyncKVCacheMapDataPipe) -> None:
-        super().__init__(pipe.client, pipe.namespace, pipe.ttl, pipe.codec, pipe.on_error,
+        super().__init__(pipe.client, pipe.keyspace, pipe.ttl, pipe.codec, pipe.on_error,
                          pipe.lease, pipe._reports, pipe.l1_bytes, self.stats)
         self.pipe = pipe
         self.length = len(pipe)
@@ -286,25 +270,24 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         if type(prefetch_bytes) is not int or prefetch_bytes <= 0:
             raise ConfigError(f"prefetch_bytes must be an int > 0 (bytes of read-ahead per "
                               f"reading thread), got {prefetch_bytes!r}")
+        # settings are checked here, in the caller, not later in a DataLoader worker
+        check_settings(client, on_error, lease, l1_bytes)
         self.source = source
         self.client = client
         self.prefetch = prefetch
         self.prefetch_bytes = prefetch_bytes
-        self.namespace = namespace if namespace is not None else derive_namespace(source)
-        self.ttl = ttl
+        self.ttl = check_ttl(ttl)
+        #: the namespace and its key rule; without namespace= one unique to this pipe
+        self.keyspace = Keyspace(namespace, owner="an async_kv_cache pipe")
+        self.namespace = self.keyspace.namespace
         self.codec = codec
         self.on_error: OnError = on_error
         self.lease = lease
         self.l1_bytes = l1_bytes
         self._mapping = _mapping_behind(source)
         self.order = self._check_order(order)
-        # Validates namespace / client / on_error now, in the caller, not in a worker.
-        probe = AsyncKVCache(client, self.namespace, ttl, codec, on_error, lease=lease,
-                             l1_bytes=l1_bytes)
         self._reports = Reports(secrets.token_hex(8), self.namespace)
         self._reports.bind(self)
-        self._prefix = probe.prefix
-        self._max_key_size = probe.max_key_size
         self._rt: _Runtime | None = None
 
     # -- runtime ---------------------------------------------------------------------------
@@ -336,13 +319,7 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
     def key_for(self, index: Any) -> bytes:
         """The store key of ``index``: ``b"ac:" + namespace + b":" + str(index)`` for an
         int; other keys by the encoding of :mod:`asynccache.keys`."""
-        if type(index) is int:  # the hot case (not "%d" for all: it would truncate floats)
-            return b"%b%d" % (self._prefix, index)
-        key = self._prefix + encode_key(index)
-        if len(key) > self._max_key_size:
-            raise KeyTooLong(f"store key for {index!r:.60} is {len(key)} bytes, over "
-                             f"{self._max_key_size}; use shorter keys (e.g. a hash)")
-        return key
+        return self.keyspace.key(index)
 
     def _normalize(self, index: Any) -> Any:
         """The canonical form of an index: an int in range for a sequence source (numpy
@@ -468,7 +445,22 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
             values = [computed[i] if v is MISSING else v for i, v in zip(indices, values)]
         else:
             rt.settle()
+        if len(set(indices)) < len(indices):
+            values = self._own_objects(indices, values, rt)
         return values
+
+    def _own_objects(self, indices: list[Any], values: list[Any], rt: _Runtime) -> list[Any]:
+        """A batch that holds an index more than once (a sampler with replacement): every
+        position after the first gets a copy of its own, decoded afresh."""
+        seen: set[Any] = set()
+        out = []
+        for index, value in zip(indices, values):
+            if index in seen:
+                value = rt.cache.copy_of(self.key_for(index), value)
+            else:
+                seen.add(index)
+            out.append(value)
+        return out
 
     def _compute(self, indices: list[Any], rt: _Runtime,
                  visible: str = "queued") -> dict[Any, Any]:
@@ -519,7 +511,7 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
     def _local_stats(self) -> dict[str, int]:
         rt = self._rt
         if rt is None or not rt.current():  # nothing happened in this process yet
-            return {**AsyncKVCache(self.client, self.namespace).stats(),
+            return {**AsyncKVCache(self.client, self.keyspace).stats(),
                     **Prefetcher.zero_counts(), "computed": 0}
         return rt.stats()
 

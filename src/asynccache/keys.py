@@ -31,17 +31,30 @@ starts with, so they can never be mistaken for a value's key:
 * chunk ``i`` of a value split over several items:
   ``b"ac:" + ns + b":c:" + token + b":" + str(i) + b":" + encode_key(key)``
 * the lease of a key being computed (``lease=``): ``b"ac:" + ns + b":l:" + encode_key(key)``
+
+Namespaces. Without ``namespace=``, a pipe, a node or a cache gets one of its own:
+``"anon-"`` + 16 random hex digits, made when the object is built and carried by its
+pickled copies (DataLoader workers, every epoch), never derived from class or function
+names -- two pipelines built without one never read each other's values. No other run
+can find it again, so its values expire after :data:`ANON_TTL` unless ``ttl=`` says
+otherwise. Reuse across runs and jobs takes an explicit, versioned namespace.
 """
 
 from __future__ import annotations
 
+import logging
 import operator
+import secrets
+import threading
 from typing import Any
 
 from .errors import ConfigError, KeyEncodingError, KeyTooLong
 
 __all__ = [
+    "ANON_PREFIX",
+    "ANON_TTL",
     "MAX_NAMESPACE_BYTES",
+    "Keyspace",
     "check_namespace",
     "chunk_keys",
     "encode_key",
@@ -50,6 +63,16 @@ __all__ = [
 ]
 
 MAX_NAMESPACE_BYTES = 200
+#: What a namespace made for an object built without ``namespace=`` starts with.
+ANON_PREFIX = "anon-"
+#: Seconds the values of such a namespace live when no ``ttl=`` is given: nobody can
+#: reuse them after the run, so they must not stay in a shared store forever.
+ANON_TTL = 24 * 3600.0
+#: The largest store key (namespace prefix + encoded key) by default, in bytes.
+DEFAULT_MAX_KEY_SIZE = 1024
+
+logger = logging.getLogger("asynccache")
+_announced = threading.Event()
 
 
 def encode_key(key: Any) -> bytes:
@@ -78,10 +101,8 @@ def encode_key(key: Any) -> bytes:
     )
 
 
-def check_namespace(namespace: str | None, default: str = "default") -> str:
+def check_namespace(namespace: str) -> str:
     """A valid namespace: a non-empty str of at most MAX_NAMESPACE_BYTES UTF-8 bytes."""
-    if namespace is None:
-        return default
     if not isinstance(namespace, str) or not namespace:
         raise ConfigError(f"namespace must be a non-empty str, got {namespace!r}")
     if ":" in namespace:
@@ -123,3 +144,74 @@ def lease_key(store_key: bytes) -> bytes:
     """The key of the lease on a value's store key (see the module docstring)."""
     prefix, encoded = _split(store_key)
     return prefix + b"l:" + encoded
+
+
+def unique_namespace() -> str:
+    """A namespace no other object will ever use (see the module docstring)."""
+    return ANON_PREFIX + secrets.token_hex(8)
+
+
+def _announce(kind: str, namespace: str) -> None:
+    """Say once per process that an object was built without a namespace, and what
+    that means: its values serve it and its copies only, and expire."""
+    if _announced.is_set():
+        return
+    _announced.set()
+    logger.warning(
+        "asynccache: %s built without namespace=: its values are cached under %r, for it "
+        "and its copies (DataLoader workers) only, and expire after %g h; no other run or "
+        "job will reuse them. Pass namespace='<dataset>-v1' (versioned: bump it when the "
+        "data or its transform changes) to share them across runs and jobs.",
+        kind, namespace, ANON_TTL / 3600)
+
+
+class Keyspace:
+    """One namespace and the one rule that builds its store keys.
+
+    The core, the pipe and the node all build keys here (``key(k)``), so they agree by
+    construction. ``named``: the user gave the namespace (values may be reused by any
+    run that gives it); otherwise it is unique to the object that made it, and
+    :meth:`ttl` bounds how long its values live. Pickles with its owner: copies share it.
+    """
+
+    __slots__ = ("max_key_size", "named", "namespace", "prefix")
+
+    def __init__(self, namespace: str | None, max_key_size: int = DEFAULT_MAX_KEY_SIZE,
+                 *, owner: str = "cache") -> None:
+        if type(max_key_size) is not int or max_key_size <= 0:
+            raise ConfigError(f"max_key_size must be a positive int, got {max_key_size!r}")
+        self.named = namespace is not None
+        if namespace is None:
+            namespace = unique_namespace()
+            _announce(owner, namespace)
+        self.namespace = check_namespace(namespace)
+        self.prefix = namespace_prefix(self.namespace)
+        self.max_key_size = max_key_size
+
+    def key(self, key: Any) -> bytes:
+        """The store key of ``key``: ``prefix + encode_key(key)``, bounded in length."""
+        if type(key) is int:  # the hot case (not "%d" for all: it would truncate floats)
+            return b"%b%d" % (self.prefix, key)
+        store_key = self.prefix + encode_key(key)
+        if len(store_key) > self.max_key_size:
+            raise KeyTooLong(
+                f"store key for {key!r:.60} is {len(store_key)} bytes, over max_key_size="
+                f"{self.max_key_size}; use shorter keys (hash long ones yourself, or give "
+                "a key_fn) or raise max_key_size")
+        return store_key
+
+    def ttl(self, ttl: float | None) -> float | None:
+        """The expiry values get: ``ttl`` as given, or ANON_TTL for an unnamed namespace."""
+        if ttl is None and not self.named:
+            return ANON_TTL
+        return ttl
+
+    def __getstate__(self) -> tuple[str, bool, int]:
+        return self.namespace, self.named, self.max_key_size
+
+    def __setstate__(self, state: tuple[str, bool, int]) -> None:
+        self.namespace, self.named, self.max_key_size = state
+        self.prefix = namespace_prefix(self.namespace)
+
+    def __repr__(self) -> str:
+        return f"Keyspace({self.namespace!r}, named={self.named})"

@@ -12,8 +12,9 @@ batches.
 Keys are the pipe's: ``b"ac:" + namespace + b":" + encode_key(key_fn(item))``, so with
 the same namespace ``CachedMapper(SamplerWrapper(s), ds.__getitem__, client,
 namespace="ds-v1")`` and ``AsyncKVCacheMapDataPipe(ds, client, namespace="ds-v1")``
-share entries. Without a namespace one is derived from ``map_fn`` (module and qualified
-name) and the source's class: give one, versioned, for anything long-lived.
+share entries. Without a namespace the node gets one of its own, shared by its copies
+and by nothing else (see :mod:`asynccache.keys`): give one, versioned, to reuse values
+across runs.
 
 State (``reset`` / ``get_state``, hence ``Loader.state_dict()`` /
 ``load_state_dict()``): "a snapshot of the source plus steps since", never the
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import hashlib
 import multiprocessing
 import os
 import secrets
@@ -42,9 +42,10 @@ from . import _fork
 from ._fork import park_inherited
 from .clients.base import NOT_READ, BaseClient
 from .codec import Codec
-from .core import MISSING, AsyncKVCache, Failed, OnError
-from .errors import ConfigError, KeyTooLong, MissingDependency
-from .keys import encode_key
+from .core import MISSING, AsyncKVCache, Failed, OnError, check_settings
+from .errors import ConfigError, MissingDependency
+from .expiry import check_ttl
+from .keys import Keyspace
 from .prefetch import DEFAULT_PREFETCH_BYTES, WINDOW_GROWTH, WindowSizer
 from .runtime import CacheRuntime, Reports
 from .sources import ReadSource, Ticket
@@ -69,17 +70,6 @@ COUNTERS = ("hits", "misses", "prefetch_hits", "stalls", "stall_us", "stall_time
             "computed_ahead")
 
 
-def derive_node_namespace(source: Any, map_fn: Callable[..., Any]) -> str:
-    """A deterministic namespace from the source's class and ``map_fn``'s name."""
-    fn = getattr(map_fn, "__func__", map_fn)
-    parts = [type(source).__module__, type(source).__qualname__,
-             getattr(fn, "__module__", "") or "", getattr(fn, "__qualname__", repr(fn))]
-    owner = getattr(map_fn, "__self__", None)
-    if owner is not None:  # a bound method: ds.__getitem__ names the dataset's class
-        parts += [type(owner).__module__, type(owner).__qualname__]
-    return "auto-" + hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
-
-
 class _Entry:
     """One item pulled ahead: its key, the read it waits on, the compute of a miss."""
 
@@ -100,7 +90,7 @@ class _NodeRuntime(CacheRuntime):
     pool that computes misses."""
 
     def __init__(self, node: CachedMapper[Any]) -> None:
-        super().__init__(node.client, node.namespace, node.ttl, node.codec, node.on_error,
+        super().__init__(node.client, node.keyspace, node.ttl, node.codec, node.on_error,
                          None, node._reports, node.l1_bytes, self.stats)
         self.node = node
         self.source: ReadSource | None = None
@@ -204,13 +194,15 @@ class CachedMapper(BaseNode[T]):
                 raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
         if method not in ("thread", "process"):
             raise ConfigError(f"method must be 'thread' or 'process', got {method!r}")
+        check_settings(client, on_error, None, l1_bytes)  # now, not in a worker
         self.source = source
         self.map_fn = map_fn
         self.client = client
         self.prefetch = prefetch
-        self.namespace = namespace if namespace is not None else derive_node_namespace(
-            source, map_fn)
-        self.ttl = ttl
+        #: the namespace and its key rule; without namespace= one unique to this node
+        self.keyspace = Keyspace(namespace, owner="a CachedMapper")
+        self.namespace = self.keyspace.namespace
+        self.ttl = check_ttl(ttl)
         self.codec = codec
         self.on_error: OnError = on_error
         self.key_fn = key_fn
@@ -219,12 +211,8 @@ class CachedMapper(BaseNode[T]):
         self.multiprocessing_context = multiprocessing_context
         self.snapshot_frequency = snapshot_frequency
         self.l1_bytes = l1_bytes
-        probe = AsyncKVCache(client, self.namespace, ttl, codec, on_error,  # validates now
-                             l1_bytes=l1_bytes)
         self._reports = Reports(secrets.token_hex(8), self.namespace)
         self._reports.bind(self)
-        self._prefix = probe.prefix
-        self._max_key_size = probe.max_key_size
         self._strict = on_error == "raise"
         # read-ahead bounded in bytes too, as the pipe's (see asynccache.prefetch): a small
         # first window until a reply shows the sizes, then sized by them
@@ -261,14 +249,7 @@ class CachedMapper(BaseNode[T]):
     # -- keys -----------------------------------------------------------------------------
     def key_for(self, item: Any) -> bytes:
         """The store key of ``item`` (the pipe's scheme, on ``key_fn(item)``)."""
-        key = item if self.key_fn is None else self.key_fn(item)
-        if type(key) is int:
-            return b"%b%d" % (self._prefix, key)
-        store_key = self._prefix + encode_key(key)
-        if len(store_key) > self._max_key_size:
-            raise KeyTooLong(f"store key for {key!r:.60} is {len(store_key)} bytes, over "
-                             f"{self._max_key_size}; give a key_fn that returns shorter keys")
-        return store_key
+        return self.keyspace.key(item if self.key_fn is None else self.key_fn(item))
 
     # -- BaseNode contract -----------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
@@ -361,7 +342,7 @@ class CachedMapper(BaseNode[T]):
         """A miss in a worker thread: computed and encoded there (both off the consumer)."""
         value = self.map_fn(entry.item)
         rt = self._runtime()
-        return value, rt.cache.encode_entries({entry.key: value})
+        return value, rt.cache.encode_values({entry.key: value})
 
     def _value_of(self, entry: _Entry, rt: _NodeRuntime, reads: ReadSource) -> Any:
         ticket = entry.ticket
@@ -393,19 +374,25 @@ class CachedMapper(BaseNode[T]):
         return self._computed(entry, rt)
 
     def _computed(self, entry: _Entry, rt: _NodeRuntime) -> Any:
-        """A miss: its worker's result, or computed here; written back (write-behind)."""
+        """A miss: a value this process wrote lately (read your writes: the source may
+        yield an item twice), else its worker's result or computed here, written back."""
+        found = rt.recall([entry.key])
+        if found:
+            if entry.future is not None:
+                entry.future.cancel()  # computed ahead in vain, if it started
+            return found[entry.key]
         rt.cache.counters.add("computed", 1)
         if entry.future is None:
             value = self.map_fn(entry.item)
-            rt.queue_writes(rt.cache.encode_entries({entry.key: value}))
+            rt.queue_writes(rt.cache.encode_values({entry.key: value}))
             return value
         self._counts["computed_ahead"] += 1
         result = entry.future.result()
         if self.method == "process":
-            rt.queue_writes(rt.cache.encode_entries({entry.key: result}))
+            rt.queue_writes(rt.cache.encode_values({entry.key: result}))
             return result
-        value, entries = result
-        rt.queue_writes(entries)
+        value, blobs = result
+        rt.queue_writes(blobs)
         return value
 
     def _drop_ahead(self) -> None:
@@ -426,7 +413,7 @@ class CachedMapper(BaseNode[T]):
         ``stats``); ``per_process=True`` gives ``{pid: counters}``."""
         rt = self._rt
         if rt is None or not rt.current():
-            local = AsyncKVCache(self.client, self.namespace).stats()
+            local = AsyncKVCache(self.client, self.keyspace).stats()
             local.setdefault("computed", 0)
             for name, value in self._counts.items():
                 local[name] = local.get(name, 0) + value

@@ -13,16 +13,17 @@ import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from . import _fork
 from .board import REPORT_INTERVAL, StatsBoard
 from .clients.base import BaseClient
 from .codec import Codec
-from .core import AsyncKVCache, OnError
-from .errors import StoreError
+from .core import AsyncKVCache, OnError, is_value
+from .errors import CacheError, StoreError
 from .histogram import Latency, merge
+from .keys import Keyspace
 from .loop import LoopThread, get_loop_thread
 from .sources import L1Source, LoopSource, ReadSource, SocketSource
 
@@ -107,21 +108,19 @@ def _remove_if_owner(board: StatsBoard, owner_pid: int) -> None:
 class CacheRuntime:
     """Loop thread, cache and queued writes of one pipe or node in one process."""
 
-    def __init__(self, client: BaseClient[Any], namespace: str, ttl: float | None,
-                 codec: Codec | None, on_error: OnError, lease: float | None,
+    def __init__(self, client: BaseClient[Any], keyspace: Keyspace, ttl: Any,
+                 codec: Codec | None, on_error: OnError, lease: Any,
                  reports: Reports | None = None, l1_bytes: int | None = None,
                  snapshot: Callable[[], dict[str, int]] | None = None) -> None:
         self.fork_generation = _fork.generation
         self.client = client
         self.loop: LoopThread = get_loop_thread()
-        self.cache = AsyncKVCache(client, namespace, ttl, codec, on_error, lease=lease,
+        self.cache = AsyncKVCache(client, keyspace, ttl, codec, on_error, lease=lease,
                                   l1_bytes=l1_bytes)
         if reports is not None:  # log each kind of failure once per job, not per worker
             self.cache.policy.log.claim = reports.board.claim
-        self.lease = lease
+        self.lease = self.cache.lease
         self.lock = threading.Lock()
-        self.writes: dict[bytes, bytes] = {}
-        self.write_scheduled = False
         #: a batch's writes were queued with visible="next" and not waited for yet
         self.unsettled = False
         self.loop.call_soon(client.retain)
@@ -190,21 +189,48 @@ class CacheRuntime:
 
         Under ``lease`` each key is computed by one process and written at once (see
         :class:`~asynccache.core.AsyncKVCache`).
+
+        Read your writes: a key this process wrote lately is not computed again (see
+        :meth:`recall`); every value returned is an object of its own.
         """
+        found = self.recall(wanted)
+        if found:
+            wanted = {key: item for key, item in wanted.items() if key not in found}
         if self.lease is not None:
-            return self._compute_once(wanted, fn)
+            computed = self._compute_once(wanted, fn) if wanted else {}
+            computed.update(found)
+            return computed
         computed = {key: fn(item) for key, item in wanted.items()}
         self.cache.counters.add("computed", len(computed))
-        entries = self.cache.encode_entries(computed)
+        blobs = self.cache.encode_values(computed)
+        computed.update(found)
         if visible == "next":
             self.settle()  # the previous batch's writes: long done by now, normally
-            self.queue_writes(entries)
+            self.queue_writes(blobs)
             self.unsettled = True
             return computed
-        self.queue_writes(entries)
+        self.queue_writes(blobs)
         if visible == "now":
             self.settle(force=True)
         return computed
+
+    def recall(self, keys: Iterable[bytes]) -> dict[bytes, Any]:
+        """Values of keys that missed but that this process wrote lately: from the write
+        queue while the store has not acknowledged them (decoded afresh), else read again
+        from the store (a read-ahead miss may predate the write). Only misses ask."""
+        found, again = self.cache.recall(list(keys))
+        if again:
+            try:
+                # a second look: damaged bytes were counted by the read that missed
+                values, _error = self.loop.call(
+                    self.cache.read_values(again, second_look=True), self.client.timeout * 2 + 1)
+            except (concurrent.futures.TimeoutError, CacheError):
+                values = []
+            reread = {key: value for key, value in zip(again, values) if is_value(value)}
+            if reread:
+                self.cache.count("recalled", len(reread))
+                found.update(reread)
+        return found
 
     def settle(self, force: bool = False) -> None:
         """Wait for the writes of batches written with ``visible="next"`` (``force``:
@@ -263,19 +289,10 @@ class CacheRuntime:
         await self.cache.release_leases(keys)
 
     # -- writes ------------------------------------------------------------------------
-    def queue_writes(self, entries: dict[bytes, bytes]) -> None:
-        with self.lock:
-            self.writes.update(entries)
-            if self.write_scheduled:
-                return
-            self.write_scheduled = True
-        self.loop.call_soon(self._hand_over)
-
-    def _hand_over(self) -> None:  # loop thread
-        with self.lock:
-            entries, self.writes, self.write_scheduled = self.writes, {}, False
-        if entries:
-            self.cache.write_behind(entries)
+    def queue_writes(self, blobs: Mapping[bytes, bytes]) -> None:
+        """Write encoded values behind (``{store key: blob}``); any thread."""
+        if self.cache.write_later(blobs):
+            self.loop.call_soon(self.cache.start_writer)
 
     def flush(self, timeout: float) -> None:
         """Wait until queued writes are in the store (bounded); never raises for it."""
@@ -294,11 +311,10 @@ class CacheRuntime:
         try:
             self.loop.call(self._finish(close, sources or []), timeout)
         except (TimeoutError, StoreError) as exc:
-            self.cache.count("writes_dropped", len(self.writes))
+            self.cache.count("writes_dropped", len(self.cache.writes))
             self.cache.policy.log.report("flush", exc, self.client.safe_url)
 
     async def _finish(self, close: bool, sources: list[ReadSource]) -> None:
-        self._hand_over()
         if close:
             for source in sources:
                 await source.cancel_pending()

@@ -64,7 +64,9 @@ def test_refused_keys_say_what_to_do(bad: object) -> None:
 
 
 def test_namespace_rules() -> None:
-    assert check_namespace(None) == "default" and check_namespace("x") == "x"
+    assert check_namespace("x") == "x"
+    with pytest.raises(ac.ConfigError):
+        check_namespace(None)  # type: ignore[arg-type]
     with pytest.raises(ac.ConfigError):
         check_namespace("")
     with pytest.raises(ac.KeyTooLong, match="short name"):
@@ -87,3 +89,36 @@ def test_chunk_and_lease_keys_never_collide_with_value_keys() -> None:
     assert lease_key(prefix + encode_key(5)) == b"ac:ns:l:5"
     with pytest.raises(ValueError):
         lease_key(b"not-ours")
+
+
+def test_a_keyspace_without_a_name_is_unique_and_travels_with_its_pickles() -> None:
+    import pickle
+
+    from asynccache.keys import ANON_PREFIX, ANON_TTL, Keyspace
+
+    a, b = Keyspace(None), Keyspace(None)
+    assert a.namespace != b.namespace and a.namespace.startswith(ANON_PREFIX)
+    assert not a.named and a.key(1) != b.key(1)
+    copy = pickle.loads(pickle.dumps(a))
+    assert (copy.namespace, copy.named, copy.key(7), copy.key("s")) == (
+        a.namespace, False, a.key(7), a.key("s"))
+    assert a.ttl(None) == ANON_TTL and a.ttl(5.0) == 5.0  # unnamed: values expire
+    named = Keyspace("imagenet-v3")
+    assert named.named and named.ttl(None) is None and named.key(3) == b"ac:imagenet-v3:3"
+    assert Keyspace("imagenet-v3").key(("a", 1)) == named.key(("a", 1))
+    with pytest.raises(ac.KeyTooLong, match="max_key_size"):
+        Keyspace("n", max_key_size=10).key("a long key")
+
+
+def test_an_unnamed_keyspace_says_once_what_it_means(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from asynccache import keys
+
+    keys._announced.clear()
+    with caplog.at_level(logging.WARNING, logger="asynccache"):
+        keys.Keyspace(None, owner="a pipe")
+        keys.Keyspace(None, owner="a pipe")
+        keys.Keyspace("named")
+    said = [r.getMessage() for r in caplog.records if "namespace=" in r.getMessage()]
+    assert len(said) == 1 and "a pipe" in said[0] and "versioned" in said[0]

@@ -1,0 +1,108 @@
+"""The TTL rule and the write-behind queue (read-your-writes): logic with no I/O."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+
+import pytest
+
+import asynccache as ac
+from asynccache.expiry import check_ttl
+from asynccache.writes import WriteQueue
+
+
+@pytest.mark.parametrize(("ttl", "seconds"), [
+    (None, None), (1, 1.0), (0.25, 0.25), (datetime.timedelta(minutes=2), 120.0),
+    (datetime.timedelta(milliseconds=5), 0.005)])
+def test_ttl_takes_seconds_or_a_timedelta(ttl: object, seconds: float | None) -> None:
+    assert check_ttl(ttl) == seconds
+
+
+@pytest.mark.parametrize("ttl", [0, -1, 0.0, -0.5, datetime.timedelta(0),
+                                 datetime.timedelta(seconds=-3), float("nan"), float("inf"),
+                                 True, "60", [1]])
+def test_ttl_that_no_store_reads_the_same_way_is_a_config_error(ttl: object) -> None:
+    with pytest.raises(ac.ConfigError, match="ttl"):
+        check_ttl(ttl)
+
+
+def test_queued_values_are_recalled_until_acknowledged_then_read_again() -> None:
+    q = WriteQueue(max_pending=100)
+    wake, dropped = q.put({b"k1": b"v1"}, {b"k1": b"v1"})
+    assert (wake, dropped) == (True, 0)
+    assert q.put({b"k2": b"v2"}, {b"k2": b"v2"}) == (False, 0)  # a writer is at work
+    assert q.recall([b"k1", b"k2", b"k3"]) == ({b"k1": b"v1", b"k2": b"v2"}, [])
+    batch = q.take(1)
+    assert batch is not None and batch.entries == {b"k1": b"v1"}
+    assert q.recall([b"k1"]) == ({b"k1": b"v1"}, [])  # in flight: still ours to hand out
+    q.done(batch)
+    assert q.recall([b"k1"]) == ({}, [b"k1"])  # acknowledged: the store has it
+    rest = q.take(10)
+    assert rest is not None and list(rest.entries) == [b"k2"]
+    q.done(rest)
+    assert q.take(10) is None  # the writer's turn ends ...
+    assert q.put({b"k3": b"v3"}, {b"k3": b"v3"})[0]  # ... so the next put wakes one
+
+
+def test_chunks_are_written_before_the_manifest_that_completes_the_value() -> None:
+    q = WriteQueue(max_pending=100)
+    entries = {b"c0": b"part0", b"c1": b"part1", b"k": b"manifest"}
+    q.put({b"k": b"whole"}, entries)
+    first = q.take(2)
+    assert first is not None and list(first.entries) == [b"c0", b"c1"] and not first.values
+    q.done(first)
+    assert q.recall([b"k"]) == ({b"k": b"whole"}, [])  # its manifest is not written yet
+    last = q.take(2)
+    assert last is not None and last.values == {b"k": b"whole"}
+
+
+def test_a_value_queued_again_while_in_flight_stays_recallable() -> None:
+    q = WriteQueue(max_pending=100)
+    q.put({b"k": b"old"}, {b"k": b"old"})
+    batch = q.take(10)
+    assert batch is not None
+    q.put({b"k": b"new"}, {b"k": b"new"})
+    q.done(batch)  # the old write landed; the new one is queued
+    assert q.recall([b"k"]) == ({b"k": b"new"}, [])
+
+
+def test_overflow_drops_the_oldest_and_forgets_their_values() -> None:
+    q = WriteQueue(max_pending=3)
+    for i in range(5):
+        _wake, dropped = q.put({b"k%d" % i: b"v"}, {b"k%d" % i: b"v"})
+    assert dropped == 1 and len(q) == 3
+    assert q.recall([b"k0", b"k1", b"k4"])[0] == {b"k4": b"v"}
+
+
+def test_recently_acknowledged_keys_are_bounded() -> None:
+    q = WriteQueue(max_pending=100, recent=2)
+    for i in range(4):
+        q.put({b"k%d" % i: b"v"}, {b"k%d" % i: b"v"})
+    batch = q.take(10)
+    assert batch is not None
+    q.done(batch)
+    assert q.recall([b"k0", b"k1", b"k2", b"k3"]) == ({}, [b"k2", b"k3"])
+
+
+def test_threads_queue_while_a_writer_drains() -> None:
+    q = WriteQueue(max_pending=1_000_000)
+    wakes = []
+
+    def produce(t: int) -> None:
+        for i in range(2000):
+            wakes.append(q.put({b"%d:%d" % (t, i): b"v"}, {b"%d:%d" % (t, i): b"v"})[0])
+
+    threads = [threading.Thread(target=produce, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    written = 0
+    while any(t.is_alive() for t in threads) or len(q):
+        batch = q.take(64)
+        if batch is None:
+            continue
+        written += len(batch.entries)
+        q.done(batch)
+    for t in threads:
+        t.join()
+    assert written == 8000 and q.unacknowledged == 0
