@@ -39,9 +39,14 @@ TIMEOUT = 0.25  # every store operation, end to end
 N = 240  # items per scan
 VALUE_BYTES = 200
 COMPUTE = 0.005  # seconds per computed item: a fault lasts long enough to see probes fail
-#: a read may wait for one timeout; a batch for its read plus its writes' acknowledgement
-READ_BOUND = TIMEOUT + COMPUTE + 0.2
-BATCH_BOUND = 2 * TIMEOUT + 16 * COMPUTE + 0.3
+#: What a read or a batch may take during a fault. The deadline bounds a read by one
+#: timeout (a batch: its read plus its writes' acknowledgement), but these bounds are
+#: sized by what they guard against, not by that: without a deadline a black hole never
+#: answers and the trickle takes ~10 s per request. A bound far below that and far above
+#: the timeout proves the deadline on a busy shared machine; the worst-case latencies
+#: themselves are figures (ASYNCCACHE_MATRIX_OUT, asynccache bench), not asserts.
+READ_BOUND = 10 * TIMEOUT
+BATCH_BOUND = 16 * TIMEOUT
 RECOVER_WITHIN = 40.0  # the longest back-off is 30 s
 
 
