@@ -349,3 +349,50 @@ async def test_memcached_rounds_a_short_ttl_up(memcached_server: servers.Memcach
         await cache.set("short", 1, ttl=0.1)
         await asyncio.sleep(0.3)
         assert await cache.get("short") == 1  # lives at least as long as asked, whole seconds
+
+
+# -- used after close() ------------------------------------------------------------------------
+def test_a_pipe_used_after_close_says_so_and_keeps_its_counters(server_url: str,
+                                                                namespace: str) -> None:
+    dp = ac.AsyncKVCacheMapDataPipe(Samples(10), ac.connect(server_url), namespace=namespace)
+    dp.__getitems__(list(range(10)))
+    dp[3]
+    before = dp.stats()
+    dp.close()
+    dp.close()  # twice: nothing more
+    for use in (lambda: dp[0], lambda: dp.__getitems__([1]), lambda: list(dp),
+                lambda: dp.set_order([1, 2])):
+        with pytest.raises(ac.ClosedError, match="after close"):
+            use()
+    after = dp.stats()
+    assert after["misses"] == before["misses"] == 10 and after["computed"] == 10
+    assert after["hits"] == before["hits"] >= 1
+
+
+def test_a_node_used_after_close_says_so_and_keeps_its_counters(server_url: str,
+                                                                namespace: str) -> None:
+    from torchdata.nodes import IterableWrapper, Loader
+
+    from asynccache.nodes import CachedMapper
+
+    node = CachedMapper(IterableWrapper(range(5)), add_one, ac.connect(server_url),
+                        namespace=namespace)
+    assert list(Loader(node)) == [1, 2, 3, 4, 5]
+    node.close()
+    with pytest.raises(ac.ClosedError, match="after close"):
+        list(Loader(node))
+    assert node.stats()["computed"] == 5
+
+
+@pytest.mark.anyio
+async def test_a_cache_used_after_aclose_says_so(server_url: str, namespace: str) -> None:
+    cache = ac.AsyncKVCache(ac.connect(server_url), namespace=namespace)
+    async with cache:
+        await cache.set("k", 1)
+        assert await cache.get("k") == 1
+    await cache.aclose()  # twice: nothing more
+    for call in (cache.get("k"), cache.set("k", 2), cache.get_many(["k"]),
+                 cache.delete("k")):
+        with pytest.raises(ac.ClosedError, match="after aclose"):
+            await call
+    assert cache.stats()["hits"] == 1 and cache.stats()["sets"] == 1

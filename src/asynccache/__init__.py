@@ -26,6 +26,7 @@ from .core import MISSING, AsyncKVCache
 from .datapipe import AsyncKVCacheMapDataPipe
 from .errors import (
     CacheError,
+    ClosedError,
     ConfigError,
     DecodeError,
     EncodeError,
@@ -54,6 +55,7 @@ __all__ = [
     "AsyncKVCacheMapDataPipe",
     "BaseClient",
     "CacheError",
+    "ClosedError",
     "Codec",
     "ConfigError",
     "DecodeError",

@@ -41,6 +41,7 @@ from .clients.base import NOT_READ, BaseClient, WriteResult
 from .codec import DEFAULT_CODEC, ChunkManifest, Codec, join_chunks, split_chunks
 from .errors import (
     CacheError,
+    ClosedError,
     ConfigError,
     DecodeError,
     FormatMismatch,
@@ -186,16 +187,25 @@ class AsyncKVCache:
         self.histograms = Histograms()
         self.policy = FailurePolicy(on_error, self.counters, client.safe_url)
         self._loop_state: _LoopState | None = None
+        self._closed = False
 
     # -- loop-bound state -------------------------------------------------------------
     def _ls(self) -> _LoopState:
+        if self._closed:
+            self._refuse()
         loop = asyncio.get_running_loop()
         state = self._loop_state
         if state is None or state.loop is not loop:
             state = self._loop_state = _LoopState(loop, self._max_in_flight)
         return state
 
+    def _refuse(self) -> None:
+        raise ClosedError(f"{self!r} was used after aclose(): build a new AsyncKVCache (its "
+                          "stats() still gives this one's final counters)")
+
     async def __aenter__(self) -> AsyncKVCache:
+        if self._closed:
+            self._refuse()
         self.client.retain()
         return self
 
@@ -204,8 +214,13 @@ class AsyncKVCache:
 
     async def aclose(self) -> None:
         """Flush pending writes and release the client; its connections in this loop
-        close when no other cache or pipe still uses them."""
+        close when no other cache or pipe still uses them. The cache is then closed: using
+        it raises :class:`~asynccache.errors.ClosedError` (``stats()`` still answers);
+        closing twice does nothing."""
+        if self._closed:
+            return
         await self.flush()
+        self._closed = True
         await self.client.release()
 
     # -- keys -------------------------------------------------------------------------
@@ -504,6 +519,8 @@ class AsyncKVCache:
         True when every entry was written; failures are counted, logged once and, in
         raise mode, raised (the first of them).
         """
+        if self._closed:
+            self._refuse()
         ttl = self._ttl(ttl)
         ok = True
         first_error: StoreError | None = None
@@ -592,6 +609,8 @@ class AsyncKVCache:
 
     async def flush(self) -> None:
         """Wait for queued write-behind entries to reach the store (or be dropped)."""
+        if self._closed:
+            return  # aclose() flushed them
         state = self._loop_state
         if state is None or state.loop is not asyncio.get_running_loop():
             if not len(self.writes):
@@ -620,6 +639,8 @@ class AsyncKVCache:
         return found, again
 
     async def delete_many(self, keys: Iterable[Key]) -> None:
+        if self._closed:
+            self._refuse()
         store_keys = [self.key(k) for k in keys]
         try:
             await self.client.delete_many(store_keys)

@@ -48,7 +48,7 @@ from ._fork import park_inherited
 from .clients.base import BaseClient
 from .codec import Codec
 from .core import MISSING, AsyncKVCache, OnError, check_settings
-from .errors import ConfigError
+from .errors import ClosedError, ConfigError
 from .expiry import check_ttl
 from .keys import Keyspace
 from .prefetch import DEFAULT_PREFETCH_BYTES, Prefetcher
@@ -289,12 +289,17 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         self._reports = Reports(secrets.token_hex(8), self.namespace)
         self._reports.bind(self)
         self._rt: _Runtime | None = None
+        #: this process's final counters once close() ran (then any read is an error)
+        self._closed: dict[str, int] | None = None
 
     # -- runtime ---------------------------------------------------------------------------
     def _runtime(self) -> _Runtime:
         rt = self._rt
         if rt is not None and rt.current():
             return rt
+        if self._closed is not None:
+            raise ClosedError(f"{self!r} was used after close(): build a new pipe (its "
+                              "stats() still gives this one's final counters)")
         with _runtime_lock:  # threads reading a fresh pipe at once must share one runtime
             rt = self._rt
             if rt is None or not rt.current():
@@ -496,7 +501,7 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         a second old; final once they exited). In a worker: that worker's own.
         ``per_process=True``: ``{pid: counters}`` instead of the sum.
         """
-        local = self._local_stats()
+        local = self._local_stats() if self._closed is None else dict(self._closed)
         if per_process:
             return {os.getpid(): local, **self._reports.others()}
         return self._reports.total(local)
@@ -524,11 +529,18 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
     def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
         """Flush pending writes, then close this process's connections (bounded).
 
-        The client stays usable (it reconnects lazily), and so does the pipe.
+        The client stays usable (it reconnects lazily); the pipe does not: a read after
+        close() raises :class:`~asynccache.errors.ClosedError`. ``stats()`` keeps
+        answering with the final counters. Closing twice does nothing.
         """
-        rt, self._rt = self._rt, None
+        if self._closed is not None:
+            return
+        rt = self._rt
+        final = self._local_stats()
         if rt is not None and rt.current():
             rt.close(timeout)
+            final = rt.stats()
+        self._closed, self._rt = final, None
 
     def _on_loop_shutdown(self) -> None:
         self.close()

@@ -17,6 +17,7 @@ redis-py's ``ConnectionError``/``TimeoutError`` shadow the builtins and never es
     ├── DecodeError            bytes under a key are not a value asynccache wrote for that key
     │   ├── FormatMismatch     a value of another asynccache format version: a plain miss
     │   └── SignatureError     not signed by any secret of a Codec(secret=...): a forgery
+    ├── ClosedError            a pipe, node or cache used after close()
     ├── StoreError             the store failed: the core turns these into misses
     │   ├── StoreUnavailable   connection refused / reset / closed
     │   ├── StoreTimeout       no answer within the configured timeout
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 __all__ = [
     "CacheError",
+    "ClosedError",
     "ConfigError",
     "DecodeError",
     "EncodeError",
@@ -123,6 +125,11 @@ class StoreRejected(StoreError):
 
     Only that key fails; the message names the server limit to raise.
     """
+
+
+class ClosedError(CacheError, RuntimeError):
+    """A pipe, node or cache was used after ``close()``: build a new one. Its counters
+    are kept (``stats()`` still answers with the final numbers)."""
 
 
 class LoopError(CacheError, RuntimeError):

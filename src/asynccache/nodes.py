@@ -43,7 +43,7 @@ from ._fork import park_inherited
 from .clients.base import NOT_READ, BaseClient
 from .codec import Codec
 from .core import MISSING, AsyncKVCache, Failed, OnError, check_settings
-from .errors import ConfigError, MissingDependency
+from .errors import ClosedError, ConfigError, MissingDependency
 from .expiry import check_ttl
 from .keys import Keyspace
 from .prefetch import DEFAULT_PREFETCH_BYTES, WINDOW_GROWTH, WindowSizer
@@ -229,11 +229,19 @@ class CachedMapper(BaseNode[T]):
         self._snapshot: dict[str, Any] | None = None
         self._since = 0
         self._counts = dict.fromkeys(COUNTERS, 0)
+        #: this process's final counters once close() ran (then any use is an error)
+        self._closed: dict[str, int] | None = None
 
     # -- runtime ---------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed is not None:
+            raise ClosedError(f"{self!r} was used after close(): build a new node (its "
+                              "stats() still gives this one's final counters)")
+
     def _runtime(self) -> _NodeRuntime:
         rt = self._rt
         if rt is None or not rt.current():
+            self._check_open()
             if rt is not None:
                 park_inherited(rt)
             rt = self._rt = _NodeRuntime(self)
@@ -253,6 +261,7 @@ class CachedMapper(BaseNode[T]):
 
     # -- BaseNode contract -----------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        self._check_open()
         super().reset(initial_state)
         self._drop_ahead()
         self._exhausted = False
@@ -412,7 +421,9 @@ class CachedMapper(BaseNode[T]):
         the node, summed over every copy of it (DataLoader workers; see the pipe's
         ``stats``); ``per_process=True`` gives ``{pid: counters}``."""
         rt = self._rt
-        if rt is None or not rt.current():
+        if self._closed is not None:
+            local = dict(self._closed)
+        elif rt is None or not rt.current():
             local = AsyncKVCache(self.client, self.keyspace).stats()
             local.setdefault("computed", 0)
             for name, value in self._counts.items():
@@ -434,11 +445,17 @@ class CachedMapper(BaseNode[T]):
             self._rt.flush(timeout)
 
     def close(self, timeout: float = EPOCH_FLUSH_TIMEOUT) -> None:
-        """Flush pending writes, stop the workers, close this process's connections."""
+        """Flush pending writes, stop the workers, close this process's connections.
+        Using the node afterwards raises :class:`~asynccache.errors.ClosedError`;
+        ``stats()`` keeps the final counters. Closing twice does nothing."""
+        if self._closed is not None:
+            return
         self._drop_ahead()
-        rt, self._rt = self._rt, None
+        rt = self._rt
         if rt is not None and rt.current():
             rt.close(timeout)
+        self._closed = self.stats(per_process=True)[os.getpid()]
+        self._rt = None
 
     def __del__(self) -> None:
         rt = getattr(self, "_rt", None)
