@@ -40,12 +40,12 @@ async def test_black_hole_times_out_into_misses_logged_once(
     with caplog.at_level(logging.WARNING, logger="asynccache"):
         started = time.perf_counter()
         assert await cache.get_many(range(10)) == {}
-        assert time.perf_counter() - started < 2.0
+        assert time.perf_counter() - started < 10.0  # a black hole: forever without a deadline
         # the store is now skipped for a back-off period: no second timeout per call
         started = time.perf_counter()
         for _ in range(20):
             assert await cache.get(1, default="miss") == "miss"
-        assert time.perf_counter() - started < 0.2
+        assert time.perf_counter() - started < 3.0  # a timeout each would be 6 s
     stats = cache.stats()
     assert stats["timeouts"] == 1 and stats["errors"] == 1 and stats["skipped"] == 20
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -158,7 +158,8 @@ def test_pipe_read_ahead_falls_back_and_recovers(proxied: tuple[FaultProxy, str]
         proxy.set_blackhole(True)
         started = time.perf_counter()
         assert [dp[i] for i in range(100, 200)] == source[100:200]
-        assert time.perf_counter() - started < 3.0  # one timeout, then back-off: no per-item wait
+        # one timeout, then back-off: a timeout per item would be 30 s
+        assert time.perf_counter() - started < 10.0
         stats = dp.stats()
         assert stats["timeouts"] >= 1 and stats["errors"] <= 3
         proxy.set_blackhole(False)

@@ -154,7 +154,7 @@ def test_a_killed_holder_delays_the_others_by_at_most_the_lease(
     assert [v["i"] for v in values] == list(range(10))
     assert sorted(computations(tmp_path / "log2")) == list(range(10))  # taken over
     slack = dp.client.expiry_slack  # memcached expires leases on a one-second clock
-    assert waited <= lease + slack + 0.5, waited
+    assert waited <= lease + slack + 2.0, waited  # not a lease per poll, nor forever
     assert stats["lease_waits"] == 10
     assert stats["leases"] + stats["lease_timeouts"] == 10  # taken over, or waited out
 

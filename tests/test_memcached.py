@@ -343,7 +343,7 @@ async def test_nodes_in_skip_are_not_contacted(memcached_pool: list[servers.Memc
             started = time.perf_counter()
             result = await client.read(keys, skip={skipped_name})
             written = await client.write({k: b"w" for k in keys}, skip={skipped_name})
-            assert time.perf_counter() - started < 0.5
+            assert time.perf_counter() - started < 1.8  # contacting it: the 2 s timeout
             assert not result.failures and result.answered == [up_name]
             assert result.skipped == n_skipped
             assert result.values == [k if o == up_name else NOT_READ
@@ -512,7 +512,7 @@ def test_blocking_deadline_is_end_to_end_and_the_connection_recovers(
             started = time.perf_counter()
             with pytest.raises(ac.StoreTimeout, match="timeout="):
                 conn.receive()
-            assert 0.2 < time.perf_counter() - started < 1.0
+            assert 0.2 < time.perf_counter() - started < 1.8  # one 0.3 s timeout, not 2 s
             assert conn.sock is None and not conn.pending
             conn.send_get([b"slow"])
             time.sleep(0.35)
@@ -541,7 +541,7 @@ def test_pipe_on_a_pool_keeps_serving_when_one_node_dies(namespace: str) -> None
                                         namespace=namespace) as dp:
             started = time.perf_counter()
             assert [dp[i] for i in range(200)] == source
-            assert time.perf_counter() - started < 3.0
+            assert time.perf_counter() - started < 10.0  # a timeout per dead item: 30 s
             stats = dp.stats()
     assert stats["hits"] > 40  # the live node's share was read, not recomputed
     assert stats["unavailable"] >= 1 and stats["errors"] <= 5

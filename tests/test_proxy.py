@@ -92,7 +92,7 @@ def test_latency_per_round_trip_and_pipelining_overlaps(proxy: FaultProxy) -> No
             pipe.set(f"p{i}", i)
         start = time.perf_counter()
         pipe.execute()
-        assert time.perf_counter() - start < 10 * RTT
+        assert time.perf_counter() - start < 25 * RTT  # one after another: 50 * RTT
         proxy.set_latency(0)
         fastest = float("inf")
         for _ in range(5):  # the best of a few: one ping can be slow on a busy box
@@ -166,7 +166,7 @@ def test_trickle_splits_and_lifting_it_wakes_the_writer(
         start = time.perf_counter()
         proxy.set_trickle(None)  # ends the 30 s pause
         got += recv_exactly(sock, len(reply) - len(got))
-        assert time.perf_counter() - start < 1
+        assert time.perf_counter() - start < 10  # not the rest of the 30 s pause
     assert got == reply
     proxy.stop()  # a restarted proxy (new loop) can pause again
     proxy.start()

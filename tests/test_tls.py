@@ -224,7 +224,7 @@ def test_plain_client_on_a_tls_port_and_tls_client_on_a_plain_port(
     with pytest.raises(ac.StoreError):
         conn.send_get([b"k"])
         conn.receive()
-    assert time.monotonic() - started < 1.5
+    assert time.monotonic() - started < 10.0  # bounded at all: a TLS port never answers
 
 
 # -- deadlines over TLS -----------------------------------------------------------------
@@ -288,7 +288,7 @@ def test_pipe_over_a_trickling_tls_link_falls_back_in_time(tls_proxy: FaultProxy
                                     namespace=namespace, prefetch=8) as dp:
         started = time.monotonic()
         assert dp[0] == Source(40, 2000)[0]
-        assert time.monotonic() - started < 1.5
+        assert time.monotonic() - started < 10.0  # the trickle needs ~60 s for a reply
         assert dp.stats()["timeouts"] >= 1
 
 
@@ -307,8 +307,8 @@ def test_bytes_held_by_the_ssl_object_count_as_readable(tls_redis: servers.Redis
         poller.register(sock, select.POLLIN)
         assert poller.poll(100) == []  # the kernel has nothing more: poll alone would hang
         started = time.monotonic()
-        assert wait_ready(sock, select.POLLIN, 1.0)
-        assert time.monotonic() - started < 0.5  # not the 1 s the poll would wait
+        assert wait_ready(sock, select.POLLIN, 10.0)
+        assert time.monotonic() - started < 5.0  # not the 10 s the poll would wait
 
 
 def test_a_readiness_check_does_not_wait(tls_redis: servers.RedisServer,
@@ -320,8 +320,8 @@ def test_a_readiness_check_does_not_wait(tls_redis: servers.RedisServer,
         sock.sendall(b"*1\r\n$4\r\nPING\r\n")
         assert sock.recv(100) == b"+PONG\r\n"  # session tickets read on the way
         started = time.monotonic()
-        assert not any(wait_ready(sock, select.POLLIN, 0) for _ in range(200))
-        assert time.monotonic() - started < 0.1  # not a millisecond each
+        assert not any(wait_ready(sock, select.POLLIN, 0) for _ in range(2000))
+        assert time.monotonic() - started < 1.0  # not a millisecond each (2 s)
 
 
 # -- options -------------------------------------------------------------------------------
