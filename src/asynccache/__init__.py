@@ -11,19 +11,22 @@ dict cache of PyTorch pipelines, without a network round trip per item::
     async with ac.AsyncKVCache(client, namespace="svc-v1") as cache:
         hits = await cache.get_many(["a", "b"])
 
-Importing asynccache registers ``async_kv_cache`` on ``torch.utils.data.MapDataPipe``
-when torch is installed.
+``import asynccache`` imports neither torch nor numpy. ``async_kv_cache`` is on
+``torch.utils.data.MapDataPipe`` whenever both packages are imported, in either order;
+``AsyncKVCacheMapDataPipe`` and ``asynccache.nodes`` import torch when first used.
 """
 
 from __future__ import annotations
 
 import logging as _logging
+from typing import Any as _Any
 
-from .clients import BaseClient, MemcachedClient, MemoryClient, RedisClient, RedisClusterClient
+from ._torch import register_functional as _register_functional
+from ._torch import when_imported as _when_imported
+from .clients import BaseClient, MemcachedClient, MemoryClient, RedisClient
 from .codec import Codec
 from .connect import connect
 from .core import MISSING, AsyncKVCache
-from .datapipe import AsyncKVCacheMapDataPipe
 from .errors import (
     CacheError,
     ClosedError,
@@ -97,3 +100,19 @@ if _logger.level == _logging.NOTSET:
 _summary_logger = _logging.getLogger("asynccache.summary")
 if _summary_logger.level == _logging.NOTSET:
     _summary_logger.setLevel(_logging.INFO)
+
+
+def __getattr__(name: str) -> _Any:
+    """The PyTorch integration, imported (with torch) when first asked for."""
+    if name == "AsyncKVCacheMapDataPipe":
+        from .datapipe import AsyncKVCacheMapDataPipe
+
+        return AsyncKVCacheMapDataPipe
+    if name == "RedisClusterClient":  # imports redis-py (the cluster's slot map)
+        from .clients.cluster import RedisClusterClient
+
+        return RedisClusterClient
+    raise AttributeError(f"module 'asynccache' has no attribute {name!r}")
+
+
+_when_imported("torch", _register_functional)

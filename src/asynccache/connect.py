@@ -71,7 +71,7 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from . import registry
-from .clients import BaseClient, MemcachedClient, MemoryClient, RedisClient, RedisClusterClient
+from .clients import BaseClient, MemcachedClient, MemoryClient, RedisClient
 from .clients.endpoint import TlsSettings
 from .errors import CacheError, ConfigError, InvalidURL
 
@@ -253,6 +253,8 @@ def _connect(url: str, options: dict[str, Any]) -> BaseClient[Any]:
         nodes = [_host_port(h, 6379, url) for h in hosts.split(",") if h.strip()]
         if not nodes:
             raise InvalidURL(f"{_mask(url)} names no cluster node; write redis+cluster://h:p,h:p")
+        from .clients.cluster import RedisClusterClient  # redis-py: only when asked for
+
         return RedisClusterClient(nodes=nodes, username=user, password=password, tls=tls,
                                   **opts)
     if scheme == "memcached":
