@@ -692,6 +692,20 @@ class AsyncKVCache:
             await self.release_leases([store_key])
         return result
 
+    def cached(self, fn: Callable[..., Any] | None = None, *, ttl: Any = MISSING,
+               key: Callable[..., Any] | None = None) -> Any:
+        """Decorator: cache what an async function returns, ``@cache.cached(ttl=60)``
+        (or bare ``@cache.cached``). The key is the function's qualified name and its
+        arguments (defaults applied) under the documented key encoding, or
+        ``key(*args, **kwargs)``; concurrent calls with the same arguments compute once
+        and each caller gets an object of its own. A plain function works too (the
+        wrapper is async). See :mod:`asynccache.decorator`."""
+        from .decorator import cached
+
+        if fn is None:
+            return lambda f: cached(self, f, ttl, key)
+        return cached(self, fn, ttl, key)
+
     # -- leases -----------------------------------------------------------------------
     @property
     def lease_token(self) -> bytes:

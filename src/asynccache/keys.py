@@ -12,6 +12,7 @@ integers, 0-d integer
 tensors, bool)
 str                    ``s:`` + UTF-8                             ``s:cat.jpg``
 bytes                  ``b:`` + the bytes                         ``b:\\x00\\x01``
+None                   ``n:``                                     ``n:``
 tuple                  ``t:`` + for each element                  ``(1, "a")`` →
                        ``<len>:<encoded element>``                ``t:1:13:s:a``
 =====================  =========================================  ==================
@@ -21,8 +22,10 @@ every other kind starts with its own tag letter and a colon; a tuple's elements 
 length-prefixed, so ``("a:b",)`` and ``("a", "b")`` differ. Integers keep the short
 form because they are the common case (dataset indices) and ``key_for(i)`` is
 documented as ``b"ac:" + namespace + b":" + str(i)``. ``True`` and ``1`` are one key,
-as they are one key of a Python dict. Anything else (floats, None, objects) raises
-:class:`~asynccache.errors.KeyEncodingError`: its string form is not a stable identity.
+as they are one key of a Python dict. ``None`` (a function argument's usual default,
+for :meth:`~asynccache.core.AsyncKVCache.cached`) has a tag of its own. Anything else
+(floats, objects) raises :class:`~asynccache.errors.KeyEncodingError`: ``1.0 == 1`` in
+a dict while their string forms differ, and an object's string form is no identity.
 
 The other keys asynccache keeps for an entry sit under the same namespace prefix (so a
 namespace is one ``SCAN MATCH ac:<ns>:*`` away), tagged with letters no encoded key
@@ -83,6 +86,8 @@ def encode_key(key: Any) -> bytes:
         return b"s:" + key.encode("utf-8", "surrogatepass")
     if isinstance(key, bytes | bytearray | memoryview):
         return b"b:" + bytes(key)
+    if key is None:
+        return b"n:"
     if isinstance(key, tuple):
         parts = [b"t:"]
         for element in key:
