@@ -74,8 +74,9 @@ import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, ClassVar, TypeVar
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl
 
+from ._redact import mask_url, query_of
 from .clients.base import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_MAX_BATCH,
@@ -111,14 +112,7 @@ class _Held:
 
 
 def _mask_password(url: str) -> str:
-    try:
-        parts = urlsplit(url)
-        password = parts.password
-    except ValueError:
-        return url
-    if password is None:
-        return url
-    return url.replace(f":{password}@", ":***@", 1)
+    return mask_url(url)  # as connect() finds the password: any character may be in it
 
 
 class Provider(BaseClient[_Held]):
@@ -168,7 +162,7 @@ class Provider(BaseClient[_Held]):
         other query options arrive as strings (convert them in your ``__init__``).
         An option your ``__init__`` does not take is a ``ConfigError`` naming it.
         """
-        query = urlsplit(url).query
+        query = query_of(url)
         merged: dict[str, Any] = {}
         for name, raw in parse_qsl(query, keep_blank_values=True):
             convert = _COMMON.get(name)
