@@ -512,6 +512,25 @@ class MemcachedClient(BaseClient[_MemcachedState]):
                 found[position] = not bytes(reply).startswith(b"EN")
         return found
 
+    async def sizes_many(self, keys: Sequence[bytes]) -> list[int | None]:
+        """``mg key s`` per key (the size; no value transferred), servers concurrently."""
+        sizes: list[int | None] = [None] * len(keys)
+        if not keys:
+            return sizes
+        nodes = self._state().nodes
+        work = [(nodes[i], positions, [pack_size(k) for k in safe])
+                for i, (positions, safe) in self._per_node(keys).items()]
+        outcomes = await _concurrently([_attempt(node.reads.execute(requests))
+                                        for node, _, requests in work])
+        for (node, positions, _), outcome in zip(work, outcomes):
+            if isinstance(outcome, StoreError):
+                raise outcome
+            for position, reply in zip(positions, outcome):
+                if isinstance(reply, ErrorReply):
+                    raise StoreError(f"memcached {node.name} answered mg with {reply}")
+                sizes[position] = meta_size(bytes(reply)) or None
+        return sizes
+
     async def add_many(self, entries: Mapping[bytes, bytes], ttl: float) -> list[bool]:
         """memcached ``add`` per key. Its clock moves once a second, so an exptime of
         ``n`` seconds ends anywhere in ``(n - 1, n]``: a lease that ended early would let
