@@ -53,6 +53,7 @@ from ..protocol.resp import (
     cluster_node_error,
     explain_rejection,
     is_error,
+    memcached_hint,
     pack_command,
     pack_delete,
     pack_gets,
@@ -620,8 +621,10 @@ class RedisClusterClient(BaseClient[_ClusterState]):
             if tls_error is not None:  # say what TLS refused, not only "cannot connect"
                 raise connect_failure("redis cluster", self.safe_url, tls_error, self.tls,
                                       self.connect_timeout) from exc
+            hint = memcached_hint(exc, None)
             raise StoreUnavailable(f"cannot read the slot map of redis cluster "
-                                   f"{self.safe_url}: {exc}") from exc
+                                   f"{self.safe_url}: {exc}{'; ' if hint else ''}{hint}"
+                                   ) from exc
         state.ready = True
         self._sync_nodes(state)
 
