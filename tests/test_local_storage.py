@@ -154,6 +154,17 @@ def test_a_directory_not_the_users_own_is_refused_and_left_as_it_is(
     assert len(warnings_of(caplog, "get failed")) == 1  # markers were not consulted
 
 
+def test_a_directory_of_ours_that_others_may_read_is_closed_to_0700(shared: Path) -> None:
+    root = boards_root()
+    root.mkdir(mode=0o755)
+    root.chmod(0o755)  # as an older release made it under umask 022
+    dp = pipe()
+    assert [dp[i] for i in range(N)] == list(range(N))
+    assert dp._reports.board.exists()  # in use: not refused
+    assert root.stat().st_mode & 0o777 == 0o700
+    dp.close()
+
+
 def test_a_board_file_that_does_not_parse_is_ignored_and_counted(shared: Path) -> None:
     dp = pipe()
     dp.__getitems__(list(range(N)))

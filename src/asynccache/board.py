@@ -16,9 +16,10 @@ local to the machine, as a DataLoader's workers are.
 Nobody else's way in: every board lives in ``asynccache-stats-<euid>`` under that shared
 directory, which is created 0700 and checked before each use (``lstat``: a directory,
 not a symbolic link, owned by this user, not writable by group or others; then opened
-with ``O_NOFOLLOW`` and checked again by its file descriptor). When a check fails,
-boards are off for the process, with one warning: ``stats()`` counts this process only
-and failures are logged once per process. Nothing is ever chmod-ed, and everything
+with ``O_NOFOLLOW`` and checked again by its file descriptor; one of ours that others may
+only read is closed to 0700 through that descriptor). When a check fails, boards are off
+for the process, with one warning: ``stats()`` counts this process only and failures are
+logged once per process. A directory that fails is never chmod-ed, and everything
 below is reached relative to that descriptor (``dir_fd``, ``O_NOFOLLOW``), so a planted
 symbolic link never redirects a write, a read or a delete. A file that does not parse
 is ignored and counted (:attr:`StatsBoard.errors`), never raised.
@@ -183,6 +184,11 @@ def _root(create: bool) -> Iterator[int | None]:
         _refuse(path, reason)
         yield None
         return
+    if stat.S_IMODE(before.st_mode) & 0o077:
+        # ours, not a link, nobody else may write it: only readable by others (made by an
+        # older release under umask 022). Ours to close, through the verified descriptor.
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, 0o700)
     try:
         yield fd
     finally:
