@@ -58,7 +58,11 @@ def test_url_and_options(tmp_path: Path) -> None:
     assert c.timeout == 3 and os.path.isdir(c.path)  # created at connect()
     assert c.safe_url == f"lmdb://{tmp_path}/a/b" and c.max_value_size is None
     os.chdir(tmp_path)
-    assert ac.connect("lmdb://rel/dir").path == f"{tmp_path}/rel/dir"
+    with pytest.raises(ac.ConfigError, match=r"three slashes: lmdb:///abs/path") as info:
+        ac.connect("lmdb://rel/dir")  # "rel" would be a host: never ./rel/dir
+    assert f"lmdb://{tmp_path}/rel/dir" in str(info.value)  # what was probably meant
+    assert not (tmp_path / "rel").exists()
+    assert LmdbClient(path="rel/dir").path == f"{tmp_path}/rel/dir"  # relative: on purpose
 
 
 @pytest.mark.parametrize(("url", "error", "fragment"), [

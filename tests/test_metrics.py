@@ -357,6 +357,7 @@ def test_without_logging_configured_the_warning_still_reaches_stderr() -> None:
 # -- logged once per job -------------------------------------------------------------------
 def test_board_claim_is_won_by_exactly_one_process() -> None:
     board = StatsBoard("test-" + secrets.token_hex(6))
+    board.label("claims")  # made by its owner, as a pipe's is when it is built
     try:
         ctx = multiprocessing.get_context("fork")
         children = [ctx.Process(target=_claim, args=(board,)) for _ in range(4)]

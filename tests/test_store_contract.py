@@ -72,6 +72,21 @@ def test_set_get_delete_and_missing(contract_url: str, namespace: str) -> None:
     run(ac.connect(contract_url), body)
 
 
+def test_contains_and_sizes_agree_with_the_values(contract_url: str, namespace: str) -> None:
+    """What ``asynccache warm`` checks (Redis STRLEN, memcached ``mg k s``: no value sent)."""
+    keys = keys_for(namespace, 30)
+    values = {k: bytes([i]) * (1 + 700 * i) for i, k in enumerate(keys[:20])}
+
+    async def body(c: ac.BaseClient) -> None:
+        await c.set_many(values)
+        assert await c.contains_many(keys) == [True] * 20 + [False] * 10
+        sizes = await c.sizes_many(keys)
+        assert sizes == [len(values[k]) for k in keys[:20]] + [None] * 10
+        assert await c.sizes_many([]) == [] and await c.contains_many([]) == []
+
+    run(ac.connect(contract_url), body)
+
+
 def test_ttl_expires(contract_url: str, namespace: str) -> None:
     short, long = keys_for(namespace, 2)
 

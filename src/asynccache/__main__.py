@@ -11,9 +11,10 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from . import __version__
+from ._redact import mask_text, mask_url
 from .errors import CacheError, MissingDependency
 from .testing.servers import TestingError
 
@@ -54,9 +55,23 @@ def _chosen_command(argv: Sequence[str]) -> str | None:
     return None
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors never show a password: argparse quotes the
+    offending argument as typed (``unrecognized arguments: ...``, ``invalid ... value``),
+    so every argument that holds one is masked in the message."""
+
+    secrets: tuple[tuple[str, str], ...] = ()
+
+    def error(self, message: str) -> NoReturn:
+        for raw, masked in self.secrets:
+            message = message.replace(raw, masked)
+        super().error(mask_text(message))
+
+
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     """The parser; only the command named in ``argv`` gets its module imported."""
-    parser = argparse.ArgumentParser(
+    _Parser.secrets = tuple((arg, mask_url(arg)) for arg in argv if mask_url(arg) != arg)
+    parser = _Parser(
         prog="asynccache",
         description="asynccache: a shared key-value cache with batched prefetching "
         "for PyTorch data loading.",
@@ -112,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"asynccache {args.command}: error: {missing}", file=sys.stderr)
         return EXIT_ERROR
     except (CacheError, TestingError) as exc:
-        print(f"asynccache {args.command}: error: {exc}", file=sys.stderr)
+        print(f"asynccache {args.command}: error: {mask_text(str(exc))}", file=sys.stderr)
         return EXIT_ERROR
 
 

@@ -249,6 +249,9 @@ _ZEROS = bytes(_ALIGN)
 _SLICE_MAX = 2048  # decode copies payloads up to this size instead of making a memoryview
 _MANIFEST = struct.Struct("<QQQQB")
 MIN_CHUNK_SIZE = 1024  # smallest chunk a manifest may name (bounds the chunk count)
+#: The largest blob a chunk manifest can be (signed header, fields, a 255-byte token):
+#: a stored value larger than this is never one (``asynccache warm`` relies on it).
+MAX_MANIFEST_BLOB = _SIGNED_HEADER_SIZE + _MANIFEST.size + 255
 _MIN_VALUE_BYTES = 4096  # floor of max_value_bytes: the hot paths need no bound check
 _U64_MAX = 2**64 - 1
 

@@ -40,8 +40,11 @@ connect in the clear). A server whose certificate does not verify is a store fai
 miss in fallback mode, raised with ``on_error="raise"``.
 
 Credentials (Redis ACL users: ``redis://user:password@host``; ``requirepass``:
-``redis://:password@host``). The password never appears in ``repr()``, ``safe_url``,
-log records or error messages, and never in a pickle: clients pickle as configuration
+``redis://:password@host``). The password may hold any character, as is or
+percent-encoded: everything between ``//`` and the *last* ``@`` of the URL is the user and
+password (so a raw ``@`` in an option value must be written ``%40``). The password never
+appears in an error message, ``repr()``, ``safe_url``, a log record or the
+command line's output, and never in a pickle: clients pickle as configuration
 (that is how DataLoader workers get them, and how they end up in checkpoints), and the
 password is not part of it. It is kept in a vault of the process, under a fingerprint
 of the URL without secrets; the pickle carries only that fingerprint.
@@ -68,9 +71,10 @@ from __future__ import annotations
 
 import os
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, unquote
 
 from . import registry
+from ._redact import mask_url, split_userinfo
 from .clients import BaseClient, MemcachedClient, MemoryClient, RedisClient
 from .clients.endpoint import TlsSettings
 from .errors import CacheError, ConfigError, InvalidURL
@@ -94,11 +98,9 @@ _FALSE = {"false", "0", "no", "off"}
 
 
 def _mask(url: str) -> str:
-    """The URL with its password replaced, for error messages."""
-    parts = urlsplit(url) if "://" in url else None
-    if parts is None or parts.password is None:
-        return url
-    return url.replace(f":{parts.password}@", ":***@", 1)
+    """The URL with its password replaced, for error messages (found as
+    :func:`_connect` finds it: any character may be in a password)."""
+    return mask_url(url)
 
 
 def _options(query: str, url: str) -> dict[str, Any]:
@@ -183,13 +185,12 @@ def _host_port(item: str, default_port: int, url: str) -> tuple[str, int]:
     return host, port
 
 
-def _split_netloc(netloc: str) -> tuple[str | None, str | None, str]:
-    """(username, password, hosts) from ``user:pass@hosts``; the hosts part may be a list."""
-    userinfo, at, hosts = netloc.rpartition("@")
-    if not at:
-        return None, None, netloc
+def _credentials(userinfo: str | None) -> tuple[str | None, str | None]:
+    """(username, password) from ``user:password`` (each percent-decoded)."""
+    if userinfo is None:
+        return None, None
     user, colon, password = userinfo.partition(":")
-    return (unquote(user) or None, unquote(password) if colon else None, hosts)
+    return (unquote(user) or None, unquote(password) if colon else None)
 
 
 def connect(url: str, **options: Any) -> BaseClient[Any]:
@@ -206,7 +207,7 @@ def connect(url: str, **options: Any) -> BaseClient[Any]:
 
 def _connect(url: str, options: dict[str, Any]) -> BaseClient[Any]:
     if not isinstance(url, str) or "://" not in url:
-        raise InvalidURL(f"not a store URL: {url!r}; accepted forms: {ACCEPTED}")
+        raise InvalidURL(f"not a store URL: {_mask(url)!r}; accepted forms: {ACCEPTED}")
     scheme, _, rest = url.partition("://")
     scheme = scheme.lower()
     factory = registry.lookup(scheme)
@@ -216,13 +217,15 @@ def _connect(url: str, options: dict[str, Any]) -> BaseClient[Any]:
         from .clients.lmdb import LmdbClient  # imports the lmdb package: only when asked
 
         return LmdbClient.from_url(url, **options)
-    netloc, _, query = rest.partition("?")
-    netloc, _, path = netloc.partition("/")
+    # the credentials first, up to the last "@": a password may hold "/", "?", "#", "@"
+    userinfo, rest = split_userinfo(rest)
+    user, password = _credentials(userinfo)
+    hosts, _, query = rest.partition("?")
+    hosts, _, path = hosts.partition("/")
     opts = {**_options(query, url), **options}
 
     if scheme in ("redis", "rediss"):
         tls = _tls(scheme == "rediss", opts, url)
-        user, password, hosts = _split_netloc(netloc)
         if "," in hosts:
             raise InvalidURL(
                 f"{_mask(url)} names several hosts; use redis+cluster:// for a Redis Cluster"
@@ -239,7 +242,6 @@ def _connect(url: str, options: dict[str, Any]) -> BaseClient[Any]:
         return RedisClient(host=host, port=port, db=db or 0, username=user, password=password,
                            tls=tls, **opts)
     if scheme == "unix":
-        user, password, hosts = _split_netloc(netloc)
         if hosts:
             raise InvalidURL(f"{_mask(url)}: a unix URL has no host; write unix:///path/to.sock")
         if not path:
@@ -249,7 +251,6 @@ def _connect(url: str, options: dict[str, Any]) -> BaseClient[Any]:
                            tls=_tls(False, opts, url), **opts)
     if scheme in ("redis+cluster", "rediss+cluster"):
         tls = _tls(scheme == "rediss+cluster", opts, url)
-        user, password, hosts = _split_netloc(netloc)
         nodes = [_host_port(h, 6379, url) for h in hosts.split(",") if h.strip()]
         if not nodes:
             raise InvalidURL(f"{_mask(url)} names no cluster node; write redis+cluster://h:p,h:p")
@@ -257,14 +258,16 @@ def _connect(url: str, options: dict[str, Any]) -> BaseClient[Any]:
 
         return RedisClusterClient(nodes=nodes, username=user, password=password, tls=tls,
                                   **opts)
+    if scheme in ("memcached", "memory") and userinfo is not None:
+        raise InvalidURL(f"{_mask(url)}: {scheme}:// takes no user name or password")
     if scheme == "memcached":
         tls = _tls(False, opts, url)
-        servers = [_host_port(h, 11211, url) for h in netloc.split(",") if h.strip()]
+        servers = [_host_port(h, 11211, url) for h in hosts.split(",") if h.strip()]
         if not servers:
             raise InvalidURL(f"{_mask(url)} names no server; write memcached://host:port")
         return MemcachedClient(servers=servers, tls=tls, **opts)
     if scheme == "memory":
-        return MemoryClient(name=netloc or "default", **opts)
+        return MemoryClient(name=hosts or "default", **opts)
     others = [name for name in registry.known_schemes() if name not in registry.BUILTIN_SCHEMES]
     registered = (f"; registered by providers: {', '.join(others)}" if others else
                   "; no provider registered another scheme (asynccache.register_scheme, or "

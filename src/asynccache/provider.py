@@ -60,9 +60,10 @@ Optional hooks, with defaults that are always correct:
 * ``max_value_size`` (a class or instance attribute): the largest value your store
   takes in one item; larger values are chunked by the core. ``None``: no limit.
 * ``expiry_slack``: how late your store may expire a key (whole-second clocks).
-* ``server_info()``, ``scan(prefix)``, ``contains_many(keys)``: what the
-  ``asynccache`` command line shows and counts. The defaults describe the provider,
-  say that listing is not supported, and read the values to test presence.
+* ``server_info()``, ``scan(prefix)``, ``contains_many(keys)``, ``sizes_many(keys)``:
+  what the ``asynccache`` command line shows and counts. The defaults describe the
+  provider, say that listing is not supported, and read the values to test presence
+  and size (``asynccache warm`` then downloads what it skips: override them).
 """
 
 from __future__ import annotations
@@ -74,8 +75,9 @@ import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, ClassVar, TypeVar
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl
 
+from ._redact import mask_url, query_of
 from .clients.base import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_MAX_BATCH,
@@ -91,7 +93,7 @@ T = TypeVar("T")
 
 #: The operations a subclass may define that the base bounds and translates.
 GUARDED = ("get_many", "set_many", "delete_many", "ping", "add_many", "contains_many",
-           "server_info")
+           "sizes_many", "server_info")
 #: Exceptions that pass through the guard unchanged: store trouble already said in our
 #: terms, settings the user must fix, and "this store has no such operation".
 _PASS = (StoreError, ConfigError, NotImplementedError)
@@ -111,14 +113,7 @@ class _Held:
 
 
 def _mask_password(url: str) -> str:
-    try:
-        parts = urlsplit(url)
-        password = parts.password
-    except ValueError:
-        return url
-    if password is None:
-        return url
-    return url.replace(f":{password}@", ":***@", 1)
+    return mask_url(url)  # as connect() finds the password: any character may be in it
 
 
 class Provider(BaseClient[_Held]):
@@ -168,7 +163,7 @@ class Provider(BaseClient[_Held]):
         other query options arrive as strings (convert them in your ``__init__``).
         An option your ``__init__`` does not take is a ``ConfigError`` naming it.
         """
-        query = urlsplit(url).query
+        query = query_of(url)
         merged: dict[str, Any] = {}
         for name, raw in parse_qsl(query, keep_blank_values=True):
             convert = _COMMON.get(name)
@@ -292,6 +287,17 @@ def _flags_reply(self: Provider, name: str, asked: Any, reply: Any) -> list[bool
                         "answers", "one per key, in order")
 
 
+def _sizes_reply(self: Provider, name: str, asked: Any, reply: Any) -> list[int | None]:
+    """``sizes_many``'s reply checked: one size (an int >= 0) or None per key."""
+    sizes = _one_per_key(self, name, asked, reply, list, "sizes",
+                         "one per key, in order, None where absent")
+    for size in sizes:
+        if size is not None and (type(size) is not int or size < 0):
+            raise StoreError(f"{self.safe_url}: {type(self).__qualname__}.{name} returned "
+                             f"{size!r}; a size is an int >= 0 (or None where absent)")
+    return [size or None for size in sizes]
+
+
 def _one_per_key(self: Provider, name: str, asked: Any, reply: Any,
                  convert: Callable[[Any], list[Any]], what: str, rule: str) -> list[Any]:
     """``convert(reply)``, as many as keys were asked, or a StoreError saying ``rule``."""
@@ -309,7 +315,7 @@ def _one_per_key(self: Provider, name: str, asked: Any, reply: Any,
 
 #: operations whose reply is one answer per key of their first argument
 _REPLY_CHECKS = {"get_many": _values_reply, "contains_many": _flags_reply,
-                 "add_many": _flags_reply}
+                 "add_many": _flags_reply, "sizes_many": _sizes_reply}
 
 
 def _guard(name: str, fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:

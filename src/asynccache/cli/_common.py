@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from .._redact import mask_text, mask_url
 from ..clients.base import BaseClient
 from ..connect import connect
 from ..errors import CacheError, ConfigError, StoreError, Unsupported
@@ -42,11 +43,16 @@ EXIT_USAGE = 2  # argparse's own code for usage errors
 
 
 def store_url(text: str) -> str:
-    """An argparse type: ``text`` if ``connect()`` accepts it (no I/O happens)."""
+    """An argparse type: ``text`` if ``connect()`` accepts it (no I/O happens). Any
+    refusal is an ArgumentTypeError with the password masked (argparse would print the
+    raw value for any other exception)."""
     try:
         connect(text)
-    except CacheError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    except Exception as exc:
+        message = str(exc) if isinstance(exc, CacheError) else (
+            f"{mask_url(text)!r} is not a usable store URL ({type(exc).__name__}: "
+            f"{mask_text(str(exc))})")
+        raise argparse.ArgumentTypeError(mask_text(message)) from None
     return text
 
 
@@ -107,6 +113,7 @@ def emit(args: argparse.Namespace, document: dict[str, Any], text: str) -> None:
 def failed(args: argparse.Namespace, message: str, **document: Any) -> int:
     """Say what failed on stderr (and as ``{"ok": false, "error": ...}`` with ``--json``);
     exit code 1."""
+    message = mask_text(message)  # a net: messages carry safe_url, never the password
     print(f"asynccache {args.command}: error: {message}", file=sys.stderr)
     if args.json:
         print(json.dumps({"ok": False, "error": message, **document}))
@@ -115,7 +122,7 @@ def failed(args: argparse.Namespace, message: str, **document: Any) -> int:
 
 def usage_error(args: argparse.Namespace, message: str) -> int:
     """A mistake in the command line found after parsing: one line, exit code 2."""
-    print(f"asynccache {args.command}: error: {message}", file=sys.stderr)
+    print(f"asynccache {args.command}: error: {mask_text(message)}", file=sys.stderr)
     return EXIT_USAGE
 
 

@@ -94,7 +94,8 @@ async def _count(args: argparse.Namespace, prefix: bytes) -> dict[str, Any]:
 def local_counters(namespace: str) -> dict[str, Any]:
     """The counters of every live process on this machine that reports for ``namespace``:
     ``processes`` (running ones), ``boards`` (pipes or nodes) and their summed counters
-    (the final numbers of workers that already exited included)."""
+    (the final numbers of workers that already exited included); ``ignored_files``:
+    board files that did not parse (not summed)."""
     total: dict[str, int] = {}
     live: set[int] = set()
     boards = StatsBoard.labelled(namespace)
@@ -108,6 +109,7 @@ def local_counters(namespace: str) -> dict[str, Any]:
     return {
         "processes": len(live),
         "boards": len(boards),
+        "ignored_files": sum(board.errors for board in boards),
         **{name: total.get(name, 0) for name in SHOWN},
         "hit_rate": hits / (hits + misses) if hits + misses else None,
         "counters": total,
@@ -142,4 +144,7 @@ def _text(doc: dict[str, Any]) -> str:
         lines.append(f"hit rate {rate} (hits {doc['hits']:,}, misses {doc['misses']:,}, "
                      f"errors {doc['errors']:,}) from {doc['processes']} running "
                      f"process{'es' if doc['processes'] != 1 else ''} on this machine")
+    if doc["ignored_files"]:
+        lines.append(f"({doc['ignored_files']:,} stats board files that did not parse were "
+                     "ignored)")
     return "\n".join(lines)

@@ -10,7 +10,10 @@ Each of ``--workers`` processes imports it and takes a disjoint share (indices
 what ``AsyncKVCacheMapDataPipe(dataset, client, namespace=NS)`` reads.
 
 Resumable: keys already in the store are skipped without being computed, so an
-interrupted run (Ctrl-C, a crash, an expired TTL) is finished by running it again.
+interrupted run (Ctrl-C, a crash, an expired TTL) is finished by running it again. The
+check transfers no values (a few bytes per key: ``EXISTS``/``STRLEN``, memcached
+``mg``), so resuming over a 140 GB namespace does not download it; ``--verify`` reads
+and decodes them instead.
 Progress goes to stderr (tqdm when installed, else a counter); never with ``--json``.
 """
 
@@ -77,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "as Codec.from_env(NAME): for pipes built with that codec")
     parser.add_argument("--batch", type=positive_int, default=256,
                         help="items per existence check and write (default 256)")
+    parser.add_argument("--verify", action="store_true",
+                        help="read and decode every value already there before skipping it "
+                        "(downloads them; default: sizes only, no value transferred)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_common_options(parser)
 
@@ -95,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     except StoreError as exc:
         return failed(args, f"cannot reach {url}: {exc}", url=url, namespace=args.namespace)
     job = WarmJob(args.url, args.dataset, args.namespace, args.ttl, args.secret_env,
-                  args.workers, args.batch, args.timeout)
+                  args.workers, args.batch, args.timeout, args.verify)
     started = time.perf_counter()
     outcome = _run_workers(job, total, show=not (args.json or args.no_progress))
     seconds = time.perf_counter() - started

@@ -6,13 +6,18 @@ index for a sequence, the mapping's keys for a keyed source), the same codec and
 encoding (chunks for values over the store's item size), the same TTL. A pipe reading
 afterwards finds hits and computes nothing.
 
-Per batch: one existence check (``contains_many``: keys already there are skipped without
-computing them, which is what makes a second run resume), then the missing items are
-computed and written. Where the store may chunk values, the keys found are read and
-decoded once more: a key is then perhaps only a chunk manifest, and one whose chunks are
-gone (evicted apart from it) is a miss for the pipe, so it is written again. The write
-of a batch is in flight while the next batch is computed: the worker is busy with the
-CPU, the store with the bytes.
+Per batch: one existence check that transfers no value (``contains_many``, or
+``sizes_many`` where the store may chunk values: Redis ``STRLEN``, memcached ``mg key
+s``); keys already there are skipped without computing them, which is what makes a
+second run resume. Then the missing items are computed and written. Where the store may
+chunk values, a key whose value is small enough to be a chunk manifest (at most
+``MAX_MANIFEST_BLOB``, 308 bytes) is read and decoded: a manifest whose chunks are gone
+(evicted apart from it) is a miss for the pipe, so it is written again. Larger values
+are never read: resuming over a namespace costs a few bytes per key, not its values.
+``--verify`` reads and decodes every value found instead (a value another codec or
+secret wrote is then rewritten; without it the pipe finds it a miss and rewrites it).
+The write of a batch is in flight while the next batch is computed: the worker is busy
+with the CPU, the store with the bytes.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..codec import Codec
+from ..codec import MAX_MANIFEST_BLOB, Codec
 from ..connect import connect
 from ..core import MISSING, AsyncKVCache, Failed
 from ..errors import ConfigError, EncodeError, StoreError
@@ -52,6 +57,7 @@ class WarmJob:
     workers: int
     batch: int
     timeout: float | None
+    verify: bool = False
 
 
 def load_dataset(spec: str) -> Any:
@@ -114,6 +120,7 @@ class _Share:
         self.cache = AsyncKVCache(self.client, job.namespace, job.ttl, codec, on_error="raise")
         self.dataset = dataset
         self.batch = job.batch
+        self.verify = job.verify
         self.progress = progress
         self.slot = slot
         self.reported = 0
@@ -133,9 +140,7 @@ class _Share:
             for start in range(0, len(share), self.batch):
                 indices = share[start:start + self.batch]
                 keys = [self.cache.key(index) for index in indices]
-                present = await self.readable(
-                    [k for k, there in zip(keys, await self.client.contains_many(keys))
-                     if there])
+                present = await self.present(keys)
                 todo = [(i, k) for i, k in zip(indices, keys) if k not in present]
                 self.count(SKIPPED, len(keys) - len(todo))
                 entries, items = self.compute(todo)
@@ -155,15 +160,30 @@ class _Share:
             await self.client.close()
         return True
 
+    async def present(self, keys: list[bytes]) -> set[bytes]:
+        """Of ``keys``, those to skip: the store holds a value for them, found without
+        transferring it (see the module docs); with ``verify``, values a pipe would
+        read as a hit."""
+        if self.verify:
+            return await self.readable(keys)
+        if self.client.max_value_size is None:  # never chunked: a key there is a value
+            return {k for k, there in zip(keys, await self.client.contains_many(keys))
+                    if there}
+        sizes = await self.client.sizes_many(keys)
+        large = {k for k, size in zip(keys, sizes)
+                 if size is not None and size > MAX_MANIFEST_BLOB}
+        small = [k for k, size in zip(keys, sizes)
+                 if size is not None and size <= MAX_MANIFEST_BLOB]  # perhaps a manifest
+        return large | await self.readable(small)
+
     async def readable(self, keys: list[bytes]) -> set[bytes]:
-        """Of ``keys`` (which the store holds), those a pipe would read as a hit. Where
-        the store may split values into chunks, a key is only a manifest: one whose
-        chunks are gone (evicted apart from it, or refused when it was written) is read
-        as a miss, so it must be written again, not skipped. Only manifests are checked
-        further (their chunks' existence, no chunk transferred); a value the codec does
-        not accept is a miss too."""
-        if not keys or self.client.max_value_size is None:
-            return set(keys)  # never chunked; no manifest to check
+        """Of ``keys``, those a pipe would read as a hit: read and decoded. A key may be
+        only a chunk manifest: one whose chunks are gone (evicted apart from it, or
+        refused when it was written) is read as a miss, so it must be written again,
+        not skipped. Manifests are checked further by their chunks' existence (no
+        chunk transferred); a value the codec does not accept is a miss too."""
+        if not keys:
+            return set()
         blobs = await self.client.get_many(keys)
         values, manifests, _nbytes = self.cache.decode_blobs(keys, blobs)
         found = {key for key, value in zip(keys, values)

@@ -409,6 +409,14 @@ class BaseClient(ABC, Generic[StateT]):
         providers override it with a check that does not transfer them."""
         return [value is not None for value in await self.get_many(keys)]
 
+    async def sizes_many(self, keys: Sequence[bytes]) -> list[int | None]:
+        """For each key, the size in bytes of the value the store holds under it, or
+        ``None`` when it holds none (nor an empty one: asynccache never writes one).
+        What ``asynccache warm`` checks before it skips a key. This default reads the
+        values; stores override it with a check that transfers none of them."""
+        return [len(value) or None if value is not None else None
+                for value in await self.get_many(keys)]
+
     # -- what the core calls: per-node results, never raising for store trouble -------
     @property
     def node_names(self) -> tuple[str, ...]:

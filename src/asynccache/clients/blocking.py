@@ -41,9 +41,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import StoreError, StoreTimeout, StoreUnavailable
-from ..protocol.resp import check_mget_reply, new_parser, pack_mget, setup_refused
+from ..protocol.resp import (
+    check_mget_reply,
+    new_parser,
+    pack_mget,
+    setup_refused,
+    unexpected_reply,
+)
 from ..protocol.resp_bulk import BIG_VALUE, BulkReader
-from .endpoint import RedisEndpoint, closed_hint, readable_while_idle, wait_ready
+from .endpoint import RedisEndpoint, readable_while_idle, wait_ready
 
 __all__ = ["BlockingRespConnection"]
 
@@ -104,16 +110,20 @@ class BlockingRespConnection:
         #: the pending requests were sent on a connection that had been idle and no reply
         #: came yet: a close now is the server's idle timeout, worth one silent retry
         self._may_retry = False
+        #: this connection brought a reply (a close before that may be a TLS-only port)
+        self._answered = False
 
     # -- connection ---------------------------------------------------------------------
     def _connect(self) -> None:
         ep = self.endpoint
         self.sock, self.parser = ep.open_socket(), new_parser()
+        self._answered = False
         deadline = time.monotonic() + ep.timeout
         try:
             for request in ep.setup_requests():
                 self._write(request, deadline)
                 refused = setup_refused(ep.where, [self._read_reply(deadline)])
+                self._answered = True
                 if refused is not None:
                     raise refused
         except BaseException:
@@ -192,7 +202,7 @@ class BlockingRespConnection:
             except OSError as exc:
                 raise StoreUnavailable(
                     f"redis connection to {self.endpoint.where} failed: {exc}"
-                    f"{closed_hint(self.endpoint.tls)}") from exc
+                    f"{self.endpoint.closed_hint(not self._answered)}") from exc
             view = view[sent:]
 
     def _wait(self, events: int, deadline: float, what: str) -> None:
@@ -287,7 +297,9 @@ class BlockingRespConnection:
                 events = self._recv_available()
             except _Closed as exc:
                 raise StoreUnavailable(f"redis {self.endpoint.where} closed the connection "
-                                       f"during setup{closed_hint(self.endpoint.tls)}") from exc
+                                       f"during setup"
+                                       f"{self.endpoint.closed_hint(not self._answered)}"
+                                       ) from exc
         return reply
 
     def _recv_available(self) -> int:
@@ -353,12 +365,12 @@ class BlockingRespConnection:
         try:
             return self.parser.gets()
         except Exception as exc:  # hiredis.ProtocolError
-            raise StoreError(f"redis {self.endpoint.where} sent an unexpected reply: "
-                             f"{exc}") from exc
+            raise unexpected_reply(self.endpoint.where, exc, self.endpoint.address) from exc
 
     def _accept(self, reply: Any) -> list[Any]:
         self.pending.popleft()
         self._may_retry = False
+        self._answered = True
         values = check_mget_reply(reply, self.endpoint.where)
         if values and (first := values[0]) is not None:  # one look per reply: cheap
             self.value_bytes += _ALPHA * (len(first) - self.value_bytes)
@@ -371,7 +383,7 @@ class BlockingRespConnection:
             self._fail()
             raise StoreUnavailable(
                 f"redis connection to {self.endpoint.where} failed: {exc}"
-                f"{closed_hint(self.endpoint.tls)}") from exc
+                f"{self.endpoint.closed_hint(not self._answered)}") from exc
         self._may_retry = False
         requests = list(self.pending)
         self._close_socket()

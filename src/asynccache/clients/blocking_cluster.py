@@ -32,7 +32,7 @@ from typing import Any
 import hiredis
 
 from ..errors import StoreError, StoreTimeout, StoreUnavailable
-from ..protocol.resp import cluster_node_error, pack_gets
+from ..protocol.resp import cluster_node_error, pack_gets, unexpected_reply
 from .blocking import BlockingRespConnection
 from .endpoint import RedisEndpoint, readable_while_idle
 
@@ -147,8 +147,7 @@ class BlockingClusterConnection(BlockingRespConnection):
                     return False
                 got.append(reply)
         except Exception as exc:  # hiredis.ProtocolError
-            raise StoreError(f"redis {self.endpoint.where} sent an unexpected reply: "
-                             f"{exc}") from exc
+            raise unexpected_reply(self.endpoint.where, exc, self.endpoint.address) from exc
         self._got = []
         if _ReplyError in map(type, got):
             error = self._failure(got)

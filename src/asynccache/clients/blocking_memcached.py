@@ -112,6 +112,8 @@ class BlockingMemcachedConnection:
         #: the pending requests were sent on a connection that had been idle and no reply
         #: came yet: a close now is the server's idle timeout, worth one silent retry
         self._may_retry = False
+        #: this connection brought a reply (a close before that may be a TLS-only port)
+        self._answered = False
 
     # -- connection ---------------------------------------------------------------------
     def _connect(self) -> None:
@@ -119,6 +121,11 @@ class BlockingMemcachedConnection:
                            connect_timeout=self.connect_timeout, kind="memcached",
                            where=self.node)
         self.sock, self.parser = sock, ReplyParser(self.max_value)
+        self._answered = False
+
+    def _closed_hint(self) -> str:
+        return closed_hint(self.tls, fresh=not self._answered,
+                           tls_url=f"memcached://{self.node}?tls=true")
 
     def _idle_and_closed(self) -> bool:
         """True when an idle connection became readable (EOF, or bytes nobody asked for)."""
@@ -181,7 +188,7 @@ class BlockingMemcachedConnection:
             except OSError as exc:
                 raise StoreUnavailable(
                     f"memcached connection to {self.node} failed: {exc}"
-                    f"{closed_hint(self.tls)}") from exc
+                    f"{self._closed_hint()}") from exc
             view = view[sent:]
 
     def _wait(self, events: int, deadline: float, what: str) -> None:
@@ -307,6 +314,7 @@ class BlockingMemcachedConnection:
     def _accept(self, values: list[bytes | None]) -> list[bytes | None]:
         self.pending.popleft()
         self._may_retry = False
+        self._answered = True
         return values
 
     def _retry_or_fail(self, exc: _Closed) -> None:
@@ -316,7 +324,7 @@ class BlockingMemcachedConnection:
             self._fail()
             raise StoreUnavailable(
                 f"memcached connection to {self.node} failed: {exc}"
-                f"{closed_hint(self.tls)}") from exc
+                f"{self._closed_hint()}") from exc
         self._may_retry = False
         self._close_socket()
         try:

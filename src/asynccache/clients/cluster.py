@@ -53,6 +53,7 @@ from ..protocol.resp import (
     cluster_node_error,
     explain_rejection,
     is_error,
+    memcached_hint,
     pack_command,
     pack_delete,
     pack_gets,
@@ -73,7 +74,7 @@ from .base import (
 from .blocking_cluster import BlockingClusterConnection, UnservedKeys
 from .endpoint import RedisEndpoint, TlsSettings, connect_failure, ssl_error_in
 from .resp import Request, RespConnection
-from .resp_admin import node_info, pack_exists, scan_node
+from .resp_admin import node_info, pack_exists, pack_strlen, scan_node, size_of
 
 __all__ = ["RedisClusterClient"]
 
@@ -477,6 +478,20 @@ class _Exists(_Call):
         self.found[command.positions[0]] = reply == 1
 
 
+class _Sizes(_Call):
+    """``STRLEN`` per key: the sizes of the values the cluster holds."""
+
+    def __init__(self, client: RedisClusterClient, state: _ClusterState, n: int) -> None:
+        super().__init__(client, state, ())
+        self.sizes: list[int | None] = [None] * n
+
+    def on_reply(self, node: str, command: _Command, reply: Any) -> None:
+        try:
+            self.sizes[command.positions[0]] = size_of(reply, f"cluster node {node}")
+        except StoreError as exc:
+            self.fail(node, exc, [command])
+
+
 class RedisClusterClient(BaseClient[_ClusterState]):
     """Client for a Redis Cluster given one or more startup nodes."""
 
@@ -606,8 +621,10 @@ class RedisClusterClient(BaseClient[_ClusterState]):
             if tls_error is not None:  # say what TLS refused, not only "cannot connect"
                 raise connect_failure("redis cluster", self.safe_url, tls_error, self.tls,
                                       self.connect_timeout) from exc
+            hint = memcached_hint(exc, None)
             raise StoreUnavailable(f"cannot read the slot map of redis cluster "
-                                   f"{self.safe_url}: {exc}") from exc
+                                   f"{self.safe_url}: {exc}{'; ' if hint else ''}{hint}"
+                                   ) from exc
         state.ready = True
         self._sync_nodes(state)
 
@@ -799,6 +816,16 @@ class RedisClusterClient(BaseClient[_ClusterState]):
         for error in call.failures.values():
             raise error
         return call.found
+
+    async def sizes_many(self, keys: Sequence[bytes]) -> list[int | None]:
+        """``STRLEN`` per key, pipelined per owning node, nodes concurrently."""
+        call = _Sizes(self, await self._ready(), len(keys))
+        if keys:
+            await call.run([_Command(key_slot(key), [i], [pack_strlen(key)])
+                            for i, key in enumerate(keys)])
+        for error in call.failures.values():
+            raise error
+        return call.sizes
 
 
 class _ConsumerRoutes:

@@ -145,6 +145,19 @@ class RedisEndpoint:
     def setup_requests(self) -> list[bytes]:
         return setup_commands(self.username, self.password, self.db)
 
+    @property
+    def address(self) -> str | None:
+        """``host:port`` (None for a unix socket), for messages that name another URL."""
+        return None if self.unix_socket_path else f"{self.host}:{self.port}"
+
+    def closed_hint(self, fresh: bool) -> str:
+        """What to check when the server closed the connection (``fresh``: before it
+        answered anything on it)."""
+        if self.unix_socket_path:
+            return ""
+        return closed_hint(self.tls, fresh=fresh, tls_url="rediss:// (rediss+cluster:// for "
+                           "a cluster) instead of redis://")
+
     def open_socket(self) -> socket.socket:
         """A connected non-blocking socket (TLS handshake done), TCP_NODELAY set, within
         ``connect_timeout``."""
@@ -249,11 +262,18 @@ def readable_while_idle(sock: socket.socket) -> bool:
 
 
 # -- what a failed connection means --------------------------------------------------------
-def closed_hint(tls: TlsSettings | None) -> str:
-    """Why a TLS server may close a connection it has just accepted: with TLS 1.3 the
-    client's handshake is over before the server has checked the client's certificate,
-    so a refused (or missing) one shows up as the connection closing at its first read."""
-    if tls is None or tls.certfile is not None:
+def closed_hint(tls: TlsSettings | None, *, fresh: bool = False, tls_url: str = "") -> str:
+    """Why a server may close a connection it has just accepted.
+
+    Without TLS, closed (or reset) before it answered anything (``fresh``): a TLS-only
+    port reads the plain request as a broken handshake and hangs up; ``tls_url`` says
+    what to connect with instead. With TLS 1.3 the client's handshake is over before the
+    server has checked the client's certificate, so a refused (or missing) one shows up
+    as the connection closing at its first read."""
+    if tls is None:
+        return (f"; it closed before answering anything: if this port serves TLS, use "
+                f"{tls_url}" if fresh and tls_url else "")
+    if tls.certfile is not None:
         return ""
     return ("; a TLS server that requires client certificates closes the connection of a "
             "client without one: pass ssl_certfile and ssl_keyfile")

@@ -291,7 +291,8 @@ class LmdbClient(Provider):
         readahead: bool | str = True,
         **options: Any,
     ) -> None:
-        """``url`` (``lmdb:///abs/dir`` or ``lmdb://relative/dir``) or ``path``."""
+        """``url`` (``lmdb:///abs/dir``, three slashes) or ``path`` (relative to the
+        current directory, or absolute)."""
         if (url is None) == (path is None):
             raise ConfigError("LmdbClient needs a url (lmdb:///path/to/dir) or a path, not "
                               "both")
@@ -586,10 +587,15 @@ def _path_of(url: str) -> str:
     parts = urlsplit(url)
     if parts.scheme.lower() != "lmdb":
         raise InvalidURL(f"not an lmdb URL: {url!r}; write lmdb:///path/to/dir")
-    path = unquote(parts.netloc + parts.path)
+    if parts.netloc:  # lmdb://relative/dir: "relative" is a host, the path depends on cwd
+        meant = os.path.abspath(os.path.expanduser(unquote(parts.netloc + parts.path)))
+        raise InvalidURL(f"{url!r} names a host ({parts.netloc!r}), not a directory: an "
+                         "lmdb:// URL takes an absolute path, with three slashes: "
+                         f"lmdb:///abs/path, e.g. lmdb://{meant} (or pass path= to LmdbClient "
+                         "for a path relative to the current directory)")
+    path = unquote(parts.path)
     if not path or path == "/":
-        raise InvalidURL(f"{url!r} names no directory; write lmdb:///path/to/dir (absolute) "
-                         "or lmdb://relative/dir")
+        raise InvalidURL(f"{url!r} names no directory; write lmdb:///abs/path/to/dir")
     return path
 
 

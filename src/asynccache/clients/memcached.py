@@ -78,7 +78,7 @@ from .base import (
     chunked,
 )
 from .blocking_memcached import BlockingMemcachedConnection
-from .endpoint import TlsSettings, close_transport, connect_failure
+from .endpoint import TlsSettings, close_transport, closed_hint, connect_failure
 from .memcached_admin import AdminTarget, metadump_keys, settings
 
 __all__ = ["MemcachedClient", "MemcachedConnection", "rendezvous_owner", "safe_memcached_key"]
@@ -102,8 +102,9 @@ def rendezvous_owner(key: bytes, nodes: Sequence[str]) -> int:
 
 
 class _Protocol(asyncio.Protocol):
-    def __init__(self, where: str, max_value: int) -> None:
+    def __init__(self, where: str, max_value: int, tls: TlsSettings | None = None) -> None:
         self.where = where
+        self.tls = tls
         self.parser = ReplyParser(max_value)
         self.waiters: collections.deque[asyncio.Future[Reply]] = collections.deque()
         self.transport: asyncio.Transport | None = None
@@ -130,7 +131,10 @@ class _Protocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         reason = f": {exc}" if exc else ""
-        self.fail(StoreUnavailable(f"memcached connection to {self.where} was closed{reason}"))
+        hint = closed_hint(self.tls, fresh=not self.replies,
+                           tls_url=f"memcached://{self.where}?tls=true")
+        self.fail(StoreUnavailable(f"memcached connection to {self.where} was closed{reason}"
+                                   f"{hint}"))
 
     def fail(self, error: StoreError) -> None:
         """Fail every pending request and refuse new ones; close the transport."""
@@ -173,7 +177,7 @@ class MemcachedConnection:
 
     async def _connect(self) -> _Protocol:
         loop = asyncio.get_running_loop()
-        proto = _Protocol(self.where, self.max_value)
+        proto = _Protocol(self.where, self.max_value, self.tls)
         tls = self.tls
         try:
             await asyncio.wait_for(loop.create_connection(
@@ -511,6 +515,25 @@ class MemcachedClient(BaseClient[_MemcachedState]):
                     raise StoreError(f"memcached {node.name} answered mg with {reply}")
                 found[position] = not bytes(reply).startswith(b"EN")
         return found
+
+    async def sizes_many(self, keys: Sequence[bytes]) -> list[int | None]:
+        """``mg key s`` per key (the size; no value transferred), servers concurrently."""
+        sizes: list[int | None] = [None] * len(keys)
+        if not keys:
+            return sizes
+        nodes = self._state().nodes
+        work = [(nodes[i], positions, [pack_size(k) for k in safe])
+                for i, (positions, safe) in self._per_node(keys).items()]
+        outcomes = await _concurrently([_attempt(node.reads.execute(requests))
+                                        for node, _, requests in work])
+        for (node, positions, _), outcome in zip(work, outcomes):
+            if isinstance(outcome, StoreError):
+                raise outcome
+            for position, reply in zip(positions, outcome):
+                if isinstance(reply, ErrorReply):
+                    raise StoreError(f"memcached {node.name} answered mg with {reply}")
+                sizes[position] = meta_size(bytes(reply)) or None
+        return sizes
 
     async def add_many(self, entries: Mapping[bytes, bytes], ttl: float) -> list[bool]:
         """memcached ``add`` per key, expiring by :func:`_exptime` (a lease that ended

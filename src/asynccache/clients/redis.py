@@ -33,7 +33,7 @@ from .base import BaseClient, ConsumerReads, Credential, WriteResult, chunked
 from .blocking import BlockingRespConnection
 from .endpoint import RedisEndpoint, TlsSettings
 from .resp import RespConnection
-from .resp_admin import node_info, pack_exists, scan_node
+from .resp_admin import node_info, pack_exists, pack_strlen, scan_node, size_of
 
 __all__ = ["RedisClient"]
 
@@ -200,3 +200,10 @@ class RedisClient(BaseClient[_RedisState]):
             if is_error(reply):
                 raise StoreError(f"redis {self.safe_url} answered EXISTS with {reply}")
         return [reply == 1 for reply in replies]
+
+    async def sizes_many(self, keys: Sequence[bytes]) -> list[int | None]:
+        """One pipelined ``STRLEN`` per key: sizes, no value crosses the network."""
+        if not keys:
+            return []
+        replies = await self._state().reads.execute([[pack_strlen(k)] for k in keys])
+        return [size_of(reply, self.safe_url) for reply in replies]

@@ -34,7 +34,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import StoreError, StoreTimeout, StoreUnavailable
-from ..protocol.resp import check_mget_reply, new_parser, pack_mget, setup_refused
+from ..protocol.resp import (
+    check_mget_reply,
+    new_parser,
+    pack_mget,
+    setup_refused,
+    unexpected_reply,
+)
 from .endpoint import RedisEndpoint, close_transport, connect_failure
 
 #: One request: the buffers of one command, written back to back (values not copied).
@@ -73,8 +79,9 @@ class Sent:
 
 
 class _Protocol(asyncio.Protocol):
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, endpoint: RedisEndpoint | None = None) -> None:
         self.where = where
+        self.endpoint = endpoint
         self.reader = new_parser()
         self.waiters: collections.deque[_Waiter] = collections.deque()
         self.transport: asyncio.Transport | None = None
@@ -108,11 +115,14 @@ class _Protocol(asyncio.Protocol):
             if gets() is not False:
                 raise StoreError("a reply nobody asked for")
         except Exception as exc:  # hiredis.ProtocolError, or a reply nobody asked for
-            self.fail(StoreError(f"redis {self.where} sent an unexpected reply: {exc!r}"))
+            address = self.endpoint.address if self.endpoint is not None else None
+            self.fail(unexpected_reply(self.where, exc, address))
 
     def connection_lost(self, exc: Exception | None) -> None:
         reason = f": {exc}" if exc else ""
-        self.fail(StoreUnavailable(f"redis connection to {self.where} was closed{reason}"))
+        hint = "" if self.endpoint is None else self.endpoint.closed_hint(not self.replies)
+        self.fail(StoreUnavailable(f"redis connection to {self.where} was closed{reason}"
+                                   f"{hint}"))
 
     def fail(self, error: StoreError) -> None:
         """Fail every pending request and refuse new ones; close the transport."""
@@ -149,7 +159,7 @@ class RespConnection:
     async def _connect(self) -> _Protocol:
         ep = self.endpoint
         loop = asyncio.get_running_loop()
-        proto = _Protocol(ep.where)
+        proto = _Protocol(ep.where, ep)
         try:
             if ep.unix_socket_path:
                 coro = loop.create_unix_connection(lambda: proto, ep.unix_socket_path)

@@ -14,7 +14,7 @@ from ..errors import StoreError
 from ..protocol.resp import is_error, pack_command
 from .resp import RespConnection
 
-__all__ = ["glob_escape", "node_info", "pack_exists", "scan_node"]
+__all__ = ["glob_escape", "node_info", "pack_exists", "pack_strlen", "scan_node", "size_of"]
 
 _GLOB_SPECIAL = frozenset(b"*?[]\\")
 
@@ -26,6 +26,22 @@ def glob_escape(prefix: bytes) -> bytes:
 
 def pack_exists(key: bytes) -> bytes:
     return pack_command(b"EXISTS", key)
+
+
+def pack_strlen(key: bytes) -> bytes:
+    """``STRLEN key``: the value's size, 0 for a missing key; no value is sent."""
+    return pack_command(b"STRLEN", key)
+
+
+def size_of(reply: Any, where: str) -> int | None:
+    """A ``STRLEN`` reply as :meth:`~asynccache.clients.base.BaseClient.sizes_many` says
+    it: the size, or None for no value (missing, or a key of another type: a write
+    replaces it); an error reply is a StoreError."""
+    if type(reply) is int:
+        return reply or None
+    if is_error(reply) and str(reply).startswith("WRONGTYPE"):
+        return None
+    raise StoreError(f"redis {where} answered STRLEN with {reply!r:.200}")
 
 
 def _fields(reply: Any) -> dict[str, str]:

@@ -27,7 +27,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import StoreError, StoreTimeout
+from ..errors import StoreError, StoreTimeout, StoreUnavailable
 
 __all__ = [
     "DELETED",
@@ -40,6 +40,7 @@ __all__ = [
     "Reply",
     "ReplyParser",
     "Request",
+    "ValueOverBound",
     "explain_rejection",
     "hashed_prefix",
     "meta_size",
@@ -135,7 +136,16 @@ def hashed_prefix(prefix: bytes) -> bytes:
 
 
 class ProtocolViolation(ValueError):
-    """The server sent something no pending request can be answered with."""
+    """The server sent something no pending request can be answered with (``line``: the
+    reply line that could not be one, when that is what went wrong)."""
+
+    def __init__(self, message: str, line: bytes | None = None) -> None:
+        super().__init__(message)
+        self.line = line
+
+
+class ValueOverBound(ProtocolViolation):
+    """A ``VALUE`` announced larger than any value asynccache writes (``item_size``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,7 +333,7 @@ class ReplyParser:
             return line
         error = _error_reply(line)
         if error is None:
-            raise ProtocolViolation(f"unexpected reply {line[:80]!r}")
+            raise ProtocolViolation(f"unexpected reply {line[:80]!r}", line)
         return error
 
     def _get_reply(self, request: Request) -> list[bytes | None] | ErrorReply | None:
@@ -383,8 +393,8 @@ class ReplyParser:
                     raise ProtocolViolation(f"malformed VALUE line {buf[pos:eol][:80]!r}")
                 size = int(header[2])
                 if size > max_value:
-                    raise ProtocolViolation(f"a VALUE of {size} bytes announced, over the "
-                                            f"{max_value}-byte bound")
+                    raise ValueOverBound(f"a VALUE of {size} bytes announced, over the "
+                                         f"{max_value}-byte bound")
                 end = eol + 2 + size
                 if end + 2 > n_buf:
                     self._need = end + 2 - pos
@@ -408,7 +418,7 @@ class ReplyParser:
             return values
         error = _error_reply(line)
         if error is None:
-            raise ProtocolViolation(f"unexpected line {line[:80]!r} in a get reply")
+            raise ProtocolViolation(f"unexpected line {line[:80]!r} in a get reply", line)
         return error
 
     def _position(self, keys: tuple[bytes, ...], key: bytes) -> int:
@@ -455,10 +465,30 @@ def no_answer(where: str, timeout: float) -> StoreTimeout:
                         "raise `timeout=` in connect() if the store is just slow")
 
 
+#: the first bytes of RESP replies (simple string, error, integer, bulk, array): never the
+#: first byte of a memcached reply line, which starts with a word in capitals
+_RESP_STARTS = frozenset(b"+-:$*")
+
+
 def unexpected_reply(where: str, exc: ProtocolViolation) -> StoreError:
+    """What a reply that cannot answer the request means. A Redis server answers memcached's
+    text commands in RESP (``-ERR unknown command``, ``$-1``): that is the wrong URL --
+    a ``StoreUnavailable`` (the node is backed off) saying which URL to use. A value over
+    the bound: the server's item size is larger than ``item_size``. Otherwise the stream
+    cannot be trusted. The connection is closed in every case."""
+    line = exc.line
+    if line and line[0] in _RESP_STARTS:
+        return StoreUnavailable(
+            f"memcached {where}: this looks like a Redis server, not memcached (it answered "
+            f"{line[:60]!r}, a RESP reply): use redis://{where}/0 (or point memcached:// at "
+            "a memcached port)")
+    if isinstance(exc, ValueOverBound):
+        return StoreError(f"memcached {where} sent an unexpected reply ({exc}); the "
+                          "connection was closed. A value over twice item_size is not one "
+                          "asynccache wrote: pass the server's -I as item_size= to connect() "
+                          "if it is larger")
     return StoreError(f"memcached {where} sent an unexpected reply ({exc}); the connection "
-                      "was closed. A value over twice item_size is not one asynccache wrote: "
-                      "pass the server's -I as item_size= to connect() if it is larger")
+                      "was closed")
 
 
 def not_understood(where: str, reply: ErrorReply) -> StoreError:

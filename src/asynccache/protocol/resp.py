@@ -7,6 +7,7 @@ each connection first sends ``AUTH``/``SELECT``. The cluster topology is redis-p
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +18,7 @@ from ..errors import StoreError, StoreUnavailable
 __all__ = [
     "check_mget_reply",
     "cluster_node_error",
+    "memcached_hint",
     "new_parser",
     "no_permission",
     "pack_command",
@@ -24,6 +26,7 @@ __all__ = [
     "pack_mget",
     "setup_commands",
     "setup_refused",
+    "unexpected_reply",
 ]
 
 
@@ -166,3 +169,33 @@ def explain_rejection(reply: Any, where: str, size: int) -> str:
                 "proto-max-bulk-len, or pass item_size= to connect() so asynccache chunks "
                 "values below the server's limit")
     return f"redis {where} refused a {size}-byte value: {text}"
+
+
+#: how hiredis and our bulk reader name the first byte of a reply they cannot parse
+_BAD_START = re.compile(r"""got "(.)" as reply type byte|got b['"](.)""")
+
+
+def memcached_hint(exc: BaseException, address: str | None) -> str:
+    """``"this looks like a memcached server ... use memcached://..."`` when ``exc`` (a
+    parse error) is about a reply starting with a capital letter, else ``""``. A
+    memcached server answers every line of a RESP command with a text line (``ERROR``,
+    ``CLIENT_ERROR ...``); RESP replies start with a symbol."""
+    found = _BAD_START.search(str(exc))
+    first = (found.group(1) or found.group(2)) if found else ""
+    if not "A" <= first <= "Z":
+        return ""
+    url = f"memcached://{address}" if address else "memcached://host:port"
+    return (f"this looks like a memcached server, not Redis (its reply is a text line "
+            f"starting with {first!r}, as memcached's ERROR): use {url}, or point the URL "
+            "at a Redis port")
+
+
+def unexpected_reply(where: str, exc: BaseException, address: str | None) -> StoreError:
+    """What a reply that is not RESP means: from a memcached server, the wrong URL, not
+    damage -- a ``StoreUnavailable`` (the node is backed off, like any node that cannot
+    serve) saying which URL to use (:func:`memcached_hint`). Anything else: a StoreError
+    (the connection is closed, its stream not trusted)."""
+    hint = memcached_hint(exc, address)
+    if hint:
+        return StoreUnavailable(f"redis {where}: {hint}")
+    return StoreError(f"redis {where} sent an unexpected reply: {exc}")

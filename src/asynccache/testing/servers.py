@@ -22,6 +22,13 @@ Lifecycle rules, and why:
   the cleanup runs. A ``weakref.finalize`` (which also runs at interpreter exit) stops
   them if the owner forgets. Only the process that started a server stops it: a forked
   DataLoader worker that exits, or calls ``stop()``, leaves the parent's servers alone.
+- A server dies with the process that started it, SIGKILL included (a test run killed
+  by its timeout, ``kill -9`` of ``asynccache serve``), and its temp dir goes with it: a
+  tiny watchdog (``sh``, in a session of its own) holds the read end of a pipe whose only
+  writer is the owner. When the owner stops the server it tells the watchdog to go;
+  when the pipe ends without a word (the owner is gone), the watchdog stops the server
+  (SIGTERM, then SIGKILL) and removes the dir. Why not ``PR_SET_PDEATHSIG``: it fires
+  when the *thread* that started the child ends, is Linux-only, and leaves the dir.
 """
 
 from __future__ import annotations
@@ -331,6 +338,72 @@ def _parse_fields(text: str, sep: str) -> dict[str, str]:
 # ---------------------------------------------------------------------------- servers
 
 
+#: Stops the server ($1) and removes its dir ($2) when its owner is gone: stdin is a pipe
+#: only the owner writes to, "done" when the owner stopped the server itself.
+_WATCHDOG = """
+trap '' INT HUP
+IFS= read -r word
+[ "$word" = done ] && exit 0
+kill -TERM "$1" 2>/dev/null
+i=0
+while kill -0 "$1" 2>/dev/null && [ "$i" -lt 30 ]; do sleep 0.1; i=$((i + 1)); done
+kill -KILL "$1" 2>/dev/null
+rm -rf -- "$2"
+"""
+
+
+#: the owner's ends of the watchdogs' pipes: a forked child closes them (it owns no server,
+#: and a worker that outlived its parent would keep the parent's servers running)
+_watch_fds: set[int] = set()
+
+
+def _close_watch_fds() -> None:
+    for fd in _watch_fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _watch_fds.clear()
+
+
+os.register_at_fork(after_in_child=_close_watch_fds)
+
+
+@dataclass
+class _Watchdog:
+    """The watchdog of one server process, and the owner's end of its pipe."""
+
+    proc: subprocess.Popen[bytes]
+    fd: int
+
+    @classmethod
+    def start(cls, pid: int, temp_dir: str) -> _Watchdog:
+        read, write = os.pipe()  # not inherited by exec'd children: the owner is its writer
+        try:
+            proc = subprocess.Popen(
+                ["/bin/sh", "-c", _WATCHDOG, "asynccache-watchdog", str(pid), temp_dir],
+                stdin=read, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True)
+        except BaseException:
+            os.close(write)
+            raise
+        finally:
+            os.close(read)
+        _watch_fds.add(write)
+        return cls(proc, write)
+
+    def dismiss(self) -> None:
+        """The owner stopped the server itself: the watchdog leaves without a kill."""
+        _watch_fds.discard(self.fd)
+        with contextlib.suppress(OSError):
+            os.write(self.fd, b"done\n")
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+        try:
+            self.proc.wait(STOP_GRACE)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
 @dataclass
 class _ProcessState:
     """What cleanup needs; shared with the finalizer, so it must not refer to the server."""
@@ -341,6 +414,13 @@ class _ProcessState:
     # memcached only looks at its exit flag when an event wakes its main loop (a 1 s
     # clock tick): a connection to this address right after SIGTERM is such an event.
     wake: tuple[str, int] | None = None
+    watchdog: _Watchdog | None = None
+
+    def stopped(self) -> None:
+        """The owner stopped (or killed) the server process: dismiss its watchdog."""
+        watchdog, self.watchdog = self.watchdog, None
+        if watchdog is not None:
+            watchdog.dismiss()
 
 
 def _terminate(proc: subprocess.Popen[bytes], wake: tuple[str, int] | None = None) -> None:
@@ -362,6 +442,7 @@ def _cleanup(state: _ProcessState) -> None:
         return
     if state.proc is not None:
         _terminate(state.proc, state.wake)
+    state.stopped()
     shutil.rmtree(state.temp_dir, ignore_errors=True)
 
 
@@ -457,12 +538,14 @@ class LocalServer:
         if proc is not None and os.getpid() == self._state.owner_pid and proc.poll() is None:
             proc.kill()
             proc.wait()
+            self._state.stopped()
 
     def restart(self, timeout: float = READY_TIMEOUT) -> None:
         """Start a fresh process (empty, no persistence) on the same port or socket."""
         proc = self._state.proc
         if proc is not None and os.getpid() == self._state.owner_pid:
             _terminate(proc, self._state.wake)
+            self._state.stopped()
         self.start(timeout)
 
     def __enter__(self) -> Self:
@@ -494,6 +577,11 @@ class LocalServer:
                 start_new_session=True,
             )
         self._state.proc = proc
+        try:
+            self._state.watchdog = _Watchdog.start(proc.pid, self.temp_dir)
+        except BaseException:
+            _terminate(proc, self._state.wake)
+            raise
         deadline = time.monotonic() + timeout
         delay = 0.005
         probe_timeout = _PROBE_TIMEOUTS[0]
@@ -502,6 +590,7 @@ class LocalServer:
             # reach whoever holds the port.
             code = proc.poll()
             if code is not None:
+                self._state.stopped()
                 tail = self._log_tail(log_offset)
                 error = _PortInUse if "already in use" in tail.lower() else ServerStartError
                 raise error(f"{self._describe()} exited with code {code} while starting{tail}")
@@ -510,6 +599,7 @@ class LocalServer:
             probe_timeout = min(probe_timeout * 2, _PROBE_TIMEOUTS[1])
             if time.monotonic() > deadline:
                 _terminate(proc, self._state.wake)
+                self._state.stopped()
                 raise ServerStartError(
                     f"{self._describe()} did not answer within {timeout:g} s"
                     f"{self._log_tail(log_offset)}"
