@@ -532,11 +532,16 @@ class _ConsumerConnection:
         self.replies: collections.deque[list[Any]] = collections.deque()
 
     def send_get(self, keys: Sequence[bytes]) -> None:
+        """Read ``keys`` and queue the reply. A failure closes this "connection" like a
+        broken socket: the replies it held are dropped with it (the caller counts their
+        requests as lost; keeping them would hand them to later requests)."""
         try:
             values = self.client.read_now(keys)
         except CacheError:
+            self.replies.clear()
             raise
         except Exception as exc:  # a bug (here or in a subclass) must not stop training
+            self.replies.clear()
             raise StoreError(f"{self.node}: reading raised {type(exc).__name__}: "
                              f"{exc}") from exc
         self.replies.append(values)
