@@ -384,7 +384,7 @@ class _Env:
         """Raise :class:`EnvironmentDamaged` unless data.mdb holds every page in use and
         both meta pages are sane. Meta pages as already checked, in a file still long
         enough, cost one ``fstat`` and two 152-byte compares (~1.5 µs); a commit changes
-        them, and they are checked again (~4 µs).
+        them, and they are checked again (~3.5 µs).
 
         A commit in flight can show a meta page half written, or one newer than the size
         read first: a failed check is repeated twice before it counts.
