@@ -43,6 +43,24 @@ Choices, and why:
   written. Size ``map_size`` for the dataset or set a ``ttl``. A large ``map_size``
   costs address space, not disk: the file grows as it is written.
 * Keys are at most 511 bytes (LMDB's limit): longer keys are a ``KeyTooLong``.
+* **Damaged files** (truncated, overwritten, torn by a machine crash with ``sync=false``)
+  are counted misses, not a dead process. LMDB maps data.mdb and checks what it reads
+  of the B-tree (py-lmdb 3's patched 0.9: page types and bounds, leaf values within
+  their page, page numbers below the last page in use), but not that the file still
+  holds those pages: touching one past the end of the file is SIGBUS. So each batch
+  (read, scan, write: ~1.5 µs) first compares data.mdb's size with what both meta pages
+  say is in use and checks the meta pages (magic, page size, roots below the last
+  page); a failed check, LMDB's own "corrupted" errors, or a failed open with damaged
+  meta pages raise :class:`EnvironmentDamaged` (a ``StoreUnavailable``: counted, the
+  node backed off, logged once, naming the directory to delete), and this process does
+  not use the environment again. What no check in this process can stop, because it
+  happens in C before Python sees anything: a damaged data size of a value kept in
+  overflow pages (checked by neither LMDB nor py-lmdb, whose ``get`` touches a byte of
+  every page of the value before returning); damaged node offsets in one of the file's
+  last 16 pages (LMDB reads a node up to 64 KiB past its page); and a file truncated
+  while a batch is reading it. Both kinds of damage faulted every time in experiments
+  (SIGBUS). No open-time check is made for them: a walk over the keys does not touch
+  values, a walk over the values reads the whole file, and neither sees later damage.
 
 Options (URL query or keywords): ``map_size`` (bytes, or ``64GiB``/``512MiB``/``1TB``;
 default 1 GiB), ``max_readers`` (reader slots for all processes together, default
@@ -59,6 +77,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import mmap
 import os
 import re
 import struct
@@ -89,13 +108,14 @@ except ImportError as exc:  # pragma: no cover - the extra is installed in CI
     raise MissingDependency(
         "lmdb:// needs the lmdb package: pip install 'asynccache[lmdb]'") from exc
 
-__all__ = ["HEADER", "LmdbClient", "pack_value", "unpack_value"]
+__all__ = ["HEADER", "EnvironmentDamaged", "LmdbClient", "pack_value", "unpack_value"]
 
 T = TypeVar("T")
 
 #: magic, expiry (Unix time, 0.0: never)
 HEADER = struct.Struct("<4sd")
 MAGIC = b"acL\x01"
+_MAX_KEY = 511
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)b?\s*", re.IGNORECASE)
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -162,7 +182,7 @@ class _Process:
     """This process' environments (by real path), their users, its writer thread."""
 
     def __init__(self) -> None:
-        self.envs: dict[str, Any] = {}
+        self.envs: dict[str, _Env] = {}
         self.writer: concurrent.futures.ThreadPoolExecutor | None = None
         self.idle = threading.Condition(threading.Lock())
         self.users = 0          # operations between begin and end of their transaction
@@ -193,8 +213,8 @@ def _before_fork() -> None:
         while proc.users and (left := deadline - time.monotonic()) > 0:
             proc.idle.wait(left)
         if not proc.users:
-            for env in proc.envs.values():
-                env.close()
+            for held in proc.envs.values():
+                held.close()
             proc.envs.clear()
 
 
@@ -217,19 +237,25 @@ os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
 
 
 @contextlib.contextmanager
-def _using(settings: _Settings, where: str) -> Iterator[Any]:
-    """This process' environment for ``settings.path``, opened on first use, counted as
-    in use (a fork waits) until the block ends: begin and end transactions inside it."""
+def _session(settings: _Settings, where: str) -> Iterator[_Env]:
+    """This process' environment for ``settings.path``, opened on first use and checked
+    (:meth:`_Env.check`) each time, counted as in use (a fork waits) until the block
+    ends: begin and end transactions inside it. LMDB's reports of damage inside the
+    block become an :class:`EnvironmentDamaged`, and the environment is not used again
+    in this process."""
     proc = _process
     with proc.idle:
         while proc.forking:
             proc.idle.wait()
-        env = proc.envs.get(settings.path)
-        if env is None:
-            env = proc.envs[settings.path] = _open(settings, where)
+        held = proc.envs.get(settings.path)
+        if held is None:
+            held = proc.envs[settings.path] = _open(settings, where)
         proc.users += 1
     try:
-        yield env
+        held.check()
+        yield held
+    except _DAMAGE as exc:
+        raise held.fail(f"LMDB found it inconsistent ({type(exc).__name__}: {exc})") from exc
     finally:
         with proc.idle:
             proc.users -= 1
@@ -237,7 +263,14 @@ def _using(settings: _Settings, where: str) -> Iterator[Any]:
                 proc.idle.notify_all()
 
 
-def _open(settings: _Settings, where: str) -> Any:
+@contextlib.contextmanager
+def _using(settings: _Settings, where: str) -> Iterator[Any]:
+    """Like :func:`_session`, yielding only the ``lmdb.Environment``."""
+    with _session(settings, where) as held:
+        yield held.env
+
+
+def _open(settings: _Settings, where: str) -> _Env:
     try:
         os.makedirs(settings.path, exist_ok=True)
         env = lmdb.open(settings.path, map_size=settings.map_size,
@@ -252,6 +285,11 @@ def _open(settings: _Settings, where: str) -> Any:
                 f"the environment (for over {FORK_WAIT:g}s), so it cannot open it; start "
                 "DataLoader workers with multiprocessing_context='spawn' or 'forkserver', "
                 "or fork while no LMDB write is pending") from exc
+        problem = _file_problem(settings.path)
+        if problem is not None or isinstance(exc, _DAMAGE):
+            raise EnvironmentDamaged(_damaged(
+                where, settings.path, problem or f"LMDB refused to open it "
+                f"({type(exc).__name__}: {exc})")) from exc
         raise StoreUnavailable(
             f"cannot open the LMDB environment {where}: {exc}; check that the directory "
             "exists or can be created, and that this user may write it (LMDB needs write "
@@ -260,7 +298,189 @@ def _open(settings: _Settings, where: str) -> Any:
         env.reader_check()  # reader slots of processes that died (a killed worker)
     except lmdb.Error:
         pass
-    return env
+    try:
+        return _Env(env, settings.path, where)
+    except OSError as exc:
+        env.close()
+        raise StoreUnavailable(f"LMDB {where}: cannot open data.mdb to check it: {exc}; "
+                               "check the directory's permissions") from exc
+
+
+# -- damage: what LMDB does not check -------------------------------------------------------
+class EnvironmentDamaged(StoreUnavailable):
+    """The environment's files are damaged (truncated, overwritten): this process no
+    longer reads or writes it, and the message names the directory to delete."""
+
+
+#: lmdb errors that mean the files are damaged, not that an operation failed (MDB_PANIC
+#: may follow a failed write, a full disk: a plain store error)
+_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError)
+
+#: LMDB 0.9's meta page (mdb.c: a 16-byte page header, then MDB_meta), the fields read:
+#: page number, page flags; magic, data version, map size; the free-page DB's md_pad (the
+#: page size), flags, depth, root; the main DB's flags, depth, root; last page, txnid.
+_META = struct.Struct("<Q2xH4xII8xQIHH32xQ4xHH32xQQQ")
+_META_MAGIC = 0xBEEFC0DE
+_META_VERSION = 1       # MDB_DATA_VERSION of LMDB 0.9
+_P_META = 0x08
+_P_INVALID = (1 << 64) - 1
+_INTEGERKEY = 0x08      # the free-page DB's flags
+_MAX_DEPTH = 32         # CURSOR_STACK
+_KNOWN_FORMAT = lmdb.version()[:2] == (0, 9)
+
+
+def _damaged(where: str, path: str, reason: str) -> str:
+    return (f"LMDB {where} is damaged: {reason}. asynccache no longer reads or writes it in "
+            "this process (values are computed from the source); stop the jobs that use it "
+            f"and delete the directory {path} (the cache is rebuilt as it is used)")
+
+
+class _Env:
+    """An open environment, and the checks that keep its files from killing the process.
+
+    LMDB maps data.mdb into memory and trusts it. It checks what it reads of the B-tree
+    (page types and bounds, leaf values within their page, page numbers below the last
+    page in use), but not that the file still holds those pages: touching one past the
+    end of the file raises SIGBUS. So before each batch :meth:`check` compares the
+    file's size with what both meta pages say is in use and checks the meta pages
+    themselves; damage, once seen (here or by LMDB), is final for this process.
+    """
+
+    def __init__(self, env: Any, path: str, where: str) -> None:
+        self.env = env
+        self.path = path
+        self.where = where
+        self.damage: str | None = None
+        self.metas: mmap.mmap | None = None  # the two meta pages, mapped once checked
+        #: the meta pages' first bytes as last checked, and the size they need
+        self.verified: tuple[bytes, bytes, int] = (b"", b"", 1 << 62)
+        self.fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            head = os.pread(self.fd, _META.size, 0)
+            fields = _META.unpack(head) if len(head) == _META.size else None
+        except OSError:
+            fields = None
+        # the meta pages are parsed only in the format known here; LMDB accepted this file
+        # a moment ago, so a meta page that does not parse means another format
+        self.parse = bool(_KNOWN_FORMAT and fields and fields[2] == _META_MAGIC
+                          and fields[3] == _META_VERSION and _page_size(fields[5]))
+        self.psize = fields[5] if self.parse and fields else mmap.PAGESIZE
+        with contextlib.suppress(CacheError):
+            self.check()  # damage found here is kept, and raised on first use
+
+    def close(self) -> None:
+        self.env.close()
+        if self.metas is not None:
+            self.metas.close()
+        os.close(self.fd)
+
+    def fail(self, reason: str) -> EnvironmentDamaged:
+        """Damage: from now on every use of this environment in this process raises."""
+        if self.damage is None:
+            self.damage = _damaged(self.where, self.path, reason)
+        return EnvironmentDamaged(self.damage)
+
+    def check(self) -> None:
+        """Raise :class:`EnvironmentDamaged` unless data.mdb holds every page in use and
+        both meta pages are sane. Meta pages as already checked, in a file still long
+        enough, cost one ``fstat`` and two 152-byte compares (~1.5 µs); a commit changes
+        them, and they are checked again (~3.5 µs).
+
+        A commit in flight can show a meta page half written, or one newer than the size
+        read first: a failed check is repeated twice before it counts.
+        """
+        if self.damage is not None:
+            raise EnvironmentDamaged(self.damage)
+        try:
+            size = os.fstat(self.fd).st_size
+            meta0, meta1, needed = self.verified
+            metas, psize = self.metas, self.psize
+            if (size >= needed and metas is not None and metas[:_META.size] == meta0
+                    and metas[psize:psize + _META.size] == meta1):
+                return
+            for attempt in range(3):
+                if attempt:
+                    time.sleep(0.001)
+                    size = os.fstat(self.fd).st_size
+                problem = self._inspect(size)
+                if problem is None:
+                    return
+        except (OSError, ValueError) as exc:
+            raise StoreUnavailable(f"LMDB {self.where}: cannot check data.mdb: {exc}; "
+                                   "check the disk") from exc
+        raise self.fail(problem)
+
+    def _inspect(self, size: int) -> str | None:
+        """What is wrong with data.mdb at ``size`` bytes (None: nothing; then remembered
+        in ``verified``, with the size its meta pages need)."""
+        psize = self.psize
+        if size < 2 * psize:
+            return f"data.mdb is {size} bytes, shorter than its two meta pages"
+        if not self.parse:  # another LMDB format: what LMDB says is in use must be there
+            used = (self.env.info()["last_pgno"] + 1) * psize
+            return None if used <= size else (
+                f"data.mdb is {size} bytes but {used} are in use: it was truncated")
+        metas = self.metas
+        if metas is None:
+            metas = self.metas = mmap.mmap(self.fd, 2 * psize, access=mmap.ACCESS_READ)
+        meta0, meta1 = metas[:_META.size], metas[psize:psize + _META.size]
+        problem = _meta_problem(meta0, 0, size, psize) or _meta_problem(meta1, 1, size, psize)
+        if problem is None:
+            self.verified = (meta0, meta1, psize * (1 + max(
+                _META.unpack(meta0)[12], _META.unpack(meta1)[12])))
+        return problem
+
+
+def _meta_problem(meta: bytes, page: int, size: int, psize: int) -> str | None:
+    """What is wrong with ``meta``, the start of meta page ``page``, for a data.mdb of
+    ``size`` bytes; None: nothing."""
+    (pgno, flags, magic, version, _map_size, page_size, free_flags, free_depth, free_root,
+     main_flags, main_depth, main_root, last, _txnid) = _META.unpack(meta)
+    used = (last + 1) * psize
+    if (pgno, flags, magic, version, page_size) != (
+            page, _P_META, _META_MAGIC, _META_VERSION, psize):
+        return f"meta page {page} was overwritten"
+    if used > size:
+        return (f"meta page {page} says {used} bytes are in use, data.mdb holds {size}: "
+                "it was truncated")
+    if not (last >= 1 and free_flags == _INTEGERKEY and main_flags == 0
+            and free_depth <= _MAX_DEPTH and main_depth <= _MAX_DEPTH
+            and (free_root == _P_INVALID or 2 <= free_root <= last)
+            and (main_root == _P_INVALID or 2 <= main_root <= last)):
+        return f"meta page {page} is inconsistent"
+    return None
+
+
+def _page_size(psize: int) -> bool:
+    return 512 <= psize <= 1 << 16 and not psize & (psize - 1)
+
+
+def _file_problem(path: str) -> str | None:
+    """What is wrong with ``path``/data.mdb, read with ``pread`` (never mapped): for when
+    LMDB fails to open it with an error that does not say (a damaged meta page can make
+    it map terabytes: "Cannot allocate memory"). None: nothing found, or no such file."""
+    if not _KNOWN_FORMAT:
+        return None
+    try:
+        fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, _META.size, 0)
+        if len(head) < _META.size:
+            return f"data.mdb is {size} bytes, shorter than its meta pages" if size else None
+        psize = _META.unpack(head)[5]
+        if not _page_size(psize):
+            return "meta page 0 was overwritten"
+        meta1 = os.pread(fd, _META.size, psize)
+        if len(meta1) < _META.size:
+            return f"data.mdb is {size} bytes, shorter than its two meta pages"
+        return _meta_problem(head, 0, size, psize) or _meta_problem(meta1, 1, size, psize)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _writer() -> concurrent.futures.ThreadPoolExecutor:
@@ -333,7 +553,8 @@ class LmdbClient(Provider):
         now = time.time()
         out: list[bytes | None] = []
         try:
-            with self.using() as env, env.begin(buffers=True) as txn:
+            with _session(self.settings, self.safe_url) as held, \
+                    held.env.begin(buffers=True) as txn:
                 get = txn.get
                 for key in keys:
                     stored = get(key)
@@ -348,7 +569,8 @@ class LmdbClient(Provider):
     async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         now = time.time()
         try:
-            with self.using() as env, env.begin(buffers=True) as txn:
+            with _session(self.settings, self.safe_url) as held, \
+                    held.env.begin(buffers=True) as txn:
                 return [_alive(txn.get(key), now) for key in keys]
         except lmdb.Error as exc:
             raise self._translate(exc, "read") from exc
@@ -361,7 +583,8 @@ class LmdbClient(Provider):
     async def _write(self, fn: Callable[[Any], T], what: str) -> T:
         def run() -> T:
             try:
-                with self.using() as env, env.begin(write=True) as txn:
+                with _session(self.settings, self.safe_url) as held, \
+                        held.env.begin(write=True) as txn:
                     return fn(txn)
             except lmdb.Error as exc:
                 raise self._translate(exc, what) from exc
@@ -478,12 +701,14 @@ class LmdbClient(Provider):
                     ) -> list[tuple[bytes, int | None]]:
         out: list[tuple[bytes, int | None]] = []
         try:
-            with self.using() as env, env.begin(buffers=True) as txn, \
-                    txn.cursor() as cursor:
+            with _session(self.settings, self.safe_url) as held, \
+                    held.env.begin(buffers=True) as txn, txn.cursor() as cursor:
                 if not cursor.set_range(after or prefix):
                     return out
-                for key, stored in cursor:
-                    key = bytes(key)
+                for view, stored in cursor:
+                    if len(view) > _MAX_KEY:  # a damaged key size, which LMDB does not check
+                        raise held.fail(f"a key of {len(view)} bytes (LMDB's limit: 511)")
+                    key = bytes(view)
                     if key == after:
                         continue
                     if not key.startswith(prefix) or len(out) >= batch:
@@ -533,11 +758,16 @@ class _ConsumerConnection:
         self.replies: collections.deque[list[Any]] = collections.deque()
 
     def send_get(self, keys: Sequence[bytes]) -> None:
+        """Read ``keys`` and queue the reply. A failure closes this "connection" like a
+        broken socket: the replies it held are dropped with it (the caller counts their
+        requests as lost; keeping them would hand them to later requests)."""
         try:
             values = self.client.read_now(keys)
         except CacheError:
+            self.replies.clear()
             raise
         except Exception as exc:  # a bug (here or in a subclass) must not stop training
+            self.replies.clear()
             raise StoreError(f"{self.node}: reading raised {type(exc).__name__}: "
                              f"{exc}") from exc
         self.replies.append(values)
