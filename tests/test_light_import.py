@@ -42,3 +42,27 @@ def test_the_pipe_and_the_cluster_client_load_when_asked_for() -> None:
               "c = ac.connect('redis+cluster://127.0.0.1:1')\n"
               "print(type(c) is ac.RedisClusterClient, 'redis' in sys.modules)")
     assert out == "True True"
+
+
+def test_the_functional_follows_torchs_datapipe_docstring_convention() -> None:
+    """What torch's own datapipe docstring test checks of every functional."""
+    import pydoc
+
+    import torch.utils.data.datapipes.map as map_pipes
+
+    import asynccache as ac
+
+    dp = map_pipes.SequenceWrapper([1])
+    doc = pydoc.render_doc(dp.async_kv_cache)  # type: ignore[attr-defined]
+    assert "(functional name: ``async_kv_cache``)" in doc
+    assert "Args:" in doc and "Example:" in doc
+    assert ac.AsyncKVCacheMapDataPipe.__doc__.splitlines()[0].startswith("Caches a map-style")
+
+
+def test_the_docstring_example_runs() -> None:
+    import doctest
+
+    import asynccache.datapipe
+
+    result = doctest.testmod(asynccache.datapipe, verbose=False)
+    assert result.attempted >= 4 and result.failed == 0

@@ -230,19 +230,47 @@ class _Runtime(CacheRuntime):
 
 
 class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
-    """Cache a map-style dataset in a shared key-value store, with batched prefetch.
+    """Caches a map-style dataset in a shared key-value store, with batched read-ahead
+    (functional name: ``async_kv_cache``).
 
-    Works on any ``source`` with ``__getitem__`` and ``__len__``. ``order`` is the
-    indices that will be read next: a list, tuple, numpy array, tensor, sampler, or an
-    iterator (which is consumed once, here, and reused every epoch); it is re-iterated
-    when used up. ``prefetch=0`` disables read-ahead; ``prefetch_bytes`` bounds it in
-    bytes too (per reading thread, learned from the sizes of the values read: 8 values
-    of 4 MiB with the default 32 MiB), and grows up to 4 x ``prefetch`` for values so
-    small that the window stays within 1 MiB (256 items of 100 B). ``lease`` (seconds): each miss
-    is computed by one process while the others wait for its value (see
-    :class:`~asynccache.core.AsyncKVCache`). ``l1_bytes``: an in-process LRU of that many
-    bytes of encoded values in front of the store, for items reused within a process
-    (counted as ``l1_hits``).
+    ``dp[i] == source[i]`` for every index, whatever the store does: values come from the
+    store when it holds them, read ahead in batched multi-gets; a miss is computed from
+    ``source`` in the calling thread and written back behind. Works on any ``source``
+    with ``__getitem__`` and ``__len__``; a DataLoader reads whole batches through
+    ``__getitems__`` (one request per batch).
+
+    Args:
+        source: the map-style dataset (or ``MapDataPipe``) whose items are cached.
+        client: a store client from :func:`asynccache.connect`: picklable configuration,
+            it connects lazily in each process (DataLoader workers included).
+        prefetch: upcoming indices read ahead per reading thread (per node of a pool or
+            cluster); grown up to 4x for small values, bounded by ``prefetch_bytes``;
+            0 turns read-ahead off.
+        namespace: the versioned name values are stored under (``"imagenet-v3"``), to
+            reuse them across runs and jobs. Without one the pipe gets a namespace of
+            its own, shared by its copies only, whose values expire after a day.
+        ttl: seconds (or a ``datetime.timedelta``) values live in the store; ``None``:
+            no expiry (an unnamed namespace: a day).
+        codec: how values become bytes (default ``Codec()``: pickle 5, bound to the key;
+            ``Codec(secret=...)`` signs, ``Codec(allow_pickle=False)`` never unpickles).
+        on_error: ``"fallback"`` (default: a store failure is a counted miss, logged
+            once) or ``"raise"``.
+        order: the indices that will be read next (a list, array, tensor, sampler or
+            iterator); ``set_order(loader.batch_sampler)`` follows a DataLoader.
+        lease: seconds; the first process to miss a key computes it while the others
+            wait for its value. Must outlast a batch's computations.
+        l1_bytes: an in-process LRU of this many bytes of encoded values in front of the
+            store (hits counted as ``l1_hits``).
+        prefetch_bytes: the read-ahead window's bound in bytes per reading thread.
+
+    Example:
+        >>> import asynccache as ac
+        >>> from torch.utils.data.datapipes.map import SequenceWrapper
+        >>> client = ac.connect("memory://example")
+        >>> dp = SequenceWrapper([10, 20, 30]).async_kv_cache(client, namespace="ex-v1")
+        >>> dp[1], len(dp), dp.__getitems__([2, 0])
+        (20, 3, [30, 10])
+        >>> dp.close()
     """
 
     def __init__(
