@@ -230,6 +230,9 @@ def test_threads_starting_together_share_one_runtime(redis_server: Any, namespac
 def test_key_for_never_truncates(redis_server: Any, namespace: str) -> None:
     dp = ac.AsyncKVCacheMapDataPipe(Source(8), ac.connect(redis_server.url), namespace=namespace)
     assert dp.key_for(np.int64(3)) == dp.key_for(3) == f"ac:{namespace}:3".encode()
-    for bad in (1.5, torch.tensor(1.5), None):
+    for bad in (1.5, torch.tensor(1.5)):
         with pytest.raises(ac.KeyEncodingError):
             dp.key_for(bad)
+    assert dp.key_for(None) == f"ac:{namespace}:n:".encode()  # a key of its own kind
+    with pytest.raises(TypeError, match="integers"):
+        dp[None]
