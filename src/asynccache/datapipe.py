@@ -181,7 +181,7 @@ class _Runtime(CacheRuntime):
         length = None if pipe._mapping is not None else self.length
         # prefetch is per node: a batch spread over a cluster's or a pool's nodes keeps
         # each node's share as large as one server's (the bytes bound still holds)
-        p = Prefetcher(source, pipe.key_for, length, pipe.prefetch * source.fanout,
+        p = Prefetcher(source, pipe.keyspace.key, length, pipe.prefetch * source.fanout,
                        self.cache.policy.strict, pipe.prefetch_bytes)
         p.follow_order = pipe._follow_order
         p.stale_order = True  # its first read follows the pipe's order
