@@ -1,7 +1,8 @@
 """Errors that name the fix: a URL of the wrong protocol or without TLS says which URL to
 use, and the node is backed off like any node that cannot serve (one failure logged,
 the rest skipped: not one error per item); ``lmdb://relative/path`` is a ConfigError
-naming the three-slash form; the README's examples write under a temp or home directory.
+naming the three-slash form; the documentation's examples write under a temp or home
+directory.
 """
 
 from __future__ import annotations
@@ -136,7 +137,10 @@ def test_lmdb_with_two_slashes_is_a_config_error_naming_three(
 
 
 def test_readme_examples_write_under_a_temp_or_home_directory() -> None:
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    assert "/scratch" not in readme
-    assert 'ac.connect("lmdb:///' not in readme  # no fixed directory at the root
-    assert "Path.home()" in readme
+    root = Path(__file__).parent.parent
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    for page in pages:
+        text = page.read_text()
+        assert "/scratch" not in text, page
+        assert 'ac.connect("lmdb:///' not in text, page  # no fixed directory at the root
+    assert "Path.home()" in (root / "docs" / "stores.md").read_text()

@@ -479,9 +479,9 @@ def test_broken_entry_point_names_its_distribution(tmp_path: Path) -> None:
     assert "store-a" in twice and "store-b" in twice and "register_scheme" in twice
 
 
-# -- the README's example provider runs as written -----------------------------------------
+# -- the documentation's example provider runs as written ----------------------------------
 def test_readme_provider_example_runs(tmp_path: Path) -> None:
-    readme = (TESTS.parent / "README.md").read_text()
+    readme = (TESTS.parent / "docs" / "providers.md").read_text()
     block = readme.split("<!-- provider-example:start -->")[1].split(
         "<!-- provider-example:end -->")[0]
     code = block.strip().removeprefix("```python").removesuffix("```")
