@@ -163,14 +163,23 @@ def test_the_demo_killed_takes_its_server_along(reap: Reaper) -> None:
     found: list[tuple[int, str]] = []
 
     def server_started() -> bool:
-        found[:] = [(pid, comm) for pid, comm in children_of(parent.pid)
-                    if comm in ("redis-server", "valkey-server")]
+        """A running server: its cwd is the temp dir it serves from (a short-lived
+        ``redis-server --version`` probe, also a child, is not)."""
+        found.clear()
+        for pid, comm in children_of(parent.pid):
+            if comm not in ("redis-server", "valkey-server"):
+                continue
+            try:
+                cwd = os.readlink(f"/proc/{pid}/cwd")
+            except OSError:  # gone already: the version probe
+                continue
+            if os.path.basename(cwd).startswith("asynccache-"):
+                found.append((pid, cwd))
         return bool(found)
 
     assert wait_until(server_started, 120), "the demo started no server"
-    ((pid, _comm),) = found
+    ((pid, temp_dir),) = found
     reap.append(pid)
     assert wait_until(lambda: len(children_of(parent.pid)) > 2, 120)  # workers forked too
     reap.extend(child for child, _ in children_of(parent.pid))
-    temp_dir = os.readlink(f"/proc/{pid}/cwd")
     assert_gone_after_parent_killed(parent, [(pid, temp_dir)])
