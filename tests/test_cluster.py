@@ -18,10 +18,10 @@ import pytest
 from redis.crc import key_slot
 
 import asynccache as ac
-from asynccache.clients import RedisClusterClient
-from asynccache.clients.base import NOT_READ
-from asynccache.clients.blocking_cluster import BlockingClusterConnection
-from asynccache.sources import SocketSource
+from asynccache.readahead.readers import SocketSource
+from asynccache.store.api import NOT_READ
+from asynccache.store.redis.cluster import RedisClusterClient
+from asynccache.store.redis.cluster_reads import BlockingClusterConnection
 from asynccache.testing import servers
 
 pytestmark = pytest.mark.anyio

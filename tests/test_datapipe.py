@@ -16,9 +16,9 @@ from torch.utils.data import MapDataPipe
 from torch.utils.data.datapipes.map import SequenceWrapper
 
 import asynccache as ac
-from asynccache import datapipe
-from asynccache.loop import get_loop_thread
-from asynccache.prefetch import WINDOW_GROWTH
+from asynccache.readahead import datapipe
+from asynccache.readahead.prefetch import WINDOW_GROWTH
+from asynccache.store.loop import get_loop_thread
 from asynccache.testing import servers
 
 

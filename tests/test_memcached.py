@@ -20,15 +20,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import asynccache as ac
-from asynccache.clients.base import NOT_READ
-from asynccache.clients.blocking_memcached import BlockingMemcachedConnection
-from asynccache.clients.memcached import (
+from asynccache.store.api import NOT_READ
+from asynccache.store.memcached.client import (
     MemcachedClient,
     MemcachedConnection,
     rendezvous_owner,
     safe_memcached_key,
 )
-from asynccache.protocol.memcache import (
+from asynccache.store.memcached.reads import BlockingMemcachedConnection
+from asynccache.store.protocol.memcache import (
     DELETED,
     NOT_FOUND,
     STORED,

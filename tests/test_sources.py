@@ -12,9 +12,9 @@ import termios
 import time
 
 import asynccache as ac
-from asynccache.clients.blocking import BlockingRespConnection
-from asynccache.runtime import CacheRuntime
-from asynccache.sources import SocketSource, Ticket
+from asynccache.readahead.readers import SocketSource, Ticket
+from asynccache.readahead.runtime import CacheRuntime
+from asynccache.store.redis.reads import BlockingRespConnection
 from asynccache.testing import servers
 
 

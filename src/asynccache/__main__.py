@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from . import __version__
-from ._redact import mask_text, mask_url
 from .errors import CacheError, MissingDependency
+from .store.credentials import mask_text, mask_url
 from .testing.servers import TestingError
 
 __all__ = ["COMMANDS", "main"]
@@ -23,7 +23,7 @@ __all__ = ["COMMANDS", "main"]
 #: command name -> (module, one-line summary shown by ``asynccache --help``)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": (
-        "asynccache.demo",
+        "asynccache.cli.demo",
         "cold and warm DataLoader epochs without a cache, with a per-worker dict "
         "and with async_kv_cache on a private Redis-compatible server",
     ),

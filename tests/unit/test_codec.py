@@ -1,4 +1,4 @@
-"""Tests for asynccache.codec: round trips, zero-copy buffers, compression, key binding,
+"""Tests for asynccache.cache.codec.codec: round trips, zero-copy buffers, compression, key binding,
 damage detection and bounded decoding of hostile input."""
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import asynccache.codec as codec_module
-from asynccache.codec import (
+import asynccache.cache.codec.codec as codec_module
+from asynccache.cache.codec.codec import (
     DEFAULT_CODEC,
     HEADER_SIZE,
     MAGIC,

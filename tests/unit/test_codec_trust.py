@@ -1,4 +1,4 @@
-"""Tests for the trusted configurations of asynccache.codec: signed values (secret=...) and
+"""Tests for the trusted configurations of the codec: signed values (secret=...) and
 pickle-free values (allow_pickle=False), against a forger who can write any bytes to the
 store. No I/O."""
 
@@ -30,9 +30,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import asynccache
-import asynccache.codec as codec_module
-from asynccache import codec_plain
-from asynccache.codec import MAGIC, ChunkManifest, Codec, join_chunks, split_chunks
+import asynccache.cache.codec.codec as codec_module
+from asynccache.cache.codec import plain as codec_plain
+from asynccache.cache.codec.codec import MAGIC, ChunkManifest, Codec, join_chunks, split_chunks
 from asynccache.errors import (
     ConfigError,
     DecodeError,
@@ -208,8 +208,8 @@ def test_missing_packages_are_a_missing_dependency(monkeypatch: pytest.MonkeyPat
     with pytest.raises(MissingDependency, match="pip install blake3"):
         Codec(secret=NEW)
     monkeypatch.setattr(codec_module, "_codec_plain", None)
-    monkeypatch.delattr(asynccache, "codec_plain")
-    monkeypatch.setitem(sys.modules, "asynccache.codec_plain", None)
+    monkeypatch.delattr(asynccache.cache.codec, "plain")
+    monkeypatch.setitem(sys.modules, "asynccache.cache.codec.plain", None)
     with pytest.raises(MissingDependency, match="pip install msgpack"):
         Codec(allow_pickle=False)
     with pytest.raises(DecodeError, match="pip install msgpack"):

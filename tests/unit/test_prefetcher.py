@@ -13,9 +13,8 @@ from typing import Any
 import pytest
 
 import asynccache as ac
-from asynccache.clients.base import NOT_READ
-from asynccache.core import MISSING, Failed
-from asynccache.prefetch import (
+from asynccache.cache.core import MISSING, Failed
+from asynccache.readahead.prefetch import (
     FIRST_BATCH,
     FIRST_WINDOW,
     SMALL_WINDOW_BYTES,
@@ -23,7 +22,8 @@ from asynccache.prefetch import (
     batch_size_for,
     sized_window,
 )
-from asynccache.sources import ReadSource, Ticket
+from asynccache.readahead.readers import ReadSource, Ticket
+from asynccache.store.api import NOT_READ
 
 
 def key_of(index: Any) -> bytes:

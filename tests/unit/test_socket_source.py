@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import asynccache as ac
-from asynccache.clients.base import NOT_READ, ConsumerReads
-from asynccache.core import MISSING, AsyncKVCache
-from asynccache.sources import SocketSource, Ticket
+from asynccache.cache.core import MISSING, AsyncKVCache
+from asynccache.readahead.readers import SocketSource, Ticket
+from asynccache.store.api import NOT_READ, ConsumerReads
 
 
 class ScriptedConnection:

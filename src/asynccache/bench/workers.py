@@ -122,7 +122,7 @@ def _dataloader_case(url: str, namespace: str, n: int, workers: int, follow: boo
 def _in_process_cases(url: str, namespace: str, n: int, reps: int) -> dict[str, Any]:
     from torchdata.nodes import Loader, Mapper, SamplerWrapper
 
-    from ..nodes import CachedMapper
+    from ..readahead.nodes import CachedMapper
 
     ds = _Items(n, COMPUTE_S)
     client = ac.connect(url)

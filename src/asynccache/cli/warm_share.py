@@ -30,11 +30,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..codec import MAX_MANIFEST_BLOB, Codec
-from ..connect import connect
-from ..core import MISSING, AsyncKVCache, Failed
+from ..cache.codec.codec import MAX_MANIFEST_BLOB, Codec
+from ..cache.core import MISSING, AsyncKVCache, Failed
+from ..cache.keys import chunk_keys
 from ..errors import ConfigError, EncodeError, StoreError
-from ..keys import chunk_keys
+from ..store.connect import connect
 
 __all__ = ["WarmJob", "indices_of", "load_dataset", "run_share"]
 
@@ -93,7 +93,7 @@ def _map_style(obj: Any) -> bool:
 
 def indices_of(dataset: Any) -> Sequence[Any]:
     """What a pipe over ``dataset`` is indexed by: a mapping's keys, else 0..len-1."""
-    from ..datapipe import _mapping_behind
+    from ..readahead.datapipe import _mapping_behind
 
     mapping = _mapping_behind(dataset)
     return list(mapping.keys()) if mapping is not None else range(len(dataset))

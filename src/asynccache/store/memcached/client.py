@@ -1,0 +1,604 @@
+"""memcached, one server or a pool of them, on a lean pipelined text-protocol connection.
+
+Why not a general memcached library: a cache needs ``get``/``set``/``delete``/``version``,
+and the rest of what matters is how failures look. aiomcache, the previous backend,
+had no timeouts, kept a cancelled connection (mid-reply) in its pool, rejected
+duplicate keys, and raised one exception for a whole batch. Here:
+
+* **One pipelined connection per (event loop, server)** for reads and one for writes, on
+  :mod:`asynccache.store.protocol.memcache` (sans-IO). Requests are written back to back; every
+  request owns a slot in a FIFO of futures, so a reply is only ever handed to its own
+  request (and checked against it: a ``VALUE`` for a key that was not asked for fails
+  the connection). One timer per exchange; after a timeout the connection is closed, so
+  a late reply is never read as the next answer. A request that finds an idle connection
+  closed by the server (``-o idle_timeout``) is sent once more on a fresh one.
+* **Many servers**: keys are spread by rendezvous (highest-random-weight) hashing, so
+  adding or removing a server moves only the keys that belonged to it. ``read`` and
+  ``write`` ask the servers concurrently and report a dead or slow server as a failure of
+  its own keys (per node), the others' values returned and written.
+* **Per-key replies on writes**: one pipelined ``set`` per key, so a value the server
+  refuses (over ``-I``; out of memory under ``-M``) fails alone, as ``StoreRejected``
+  naming the setting to change, and the other keys are stored.
+* **Keys**: memcached takes 1–250 bytes of printable ASCII; other keys are mapped,
+  deterministically, by :func:`safe_memcached_key`. Duplicates in one request are
+  asked once. Requests are cut at ``max_batch`` keys per ``get`` line.
+* **Item size**: values above ``item_size`` (``-I``, 1 MiB by default) are refused by the
+  server; ``max_value_size`` tells the core to split them into chunks. A reply announcing
+  more than ``2 × item_size`` is not one of ours and fails the connection rather than
+  allocating it.
+* **Consumer-side reads**: :meth:`MemcachedClient.consumer_reads` gives read-ahead one
+  blocking connection per server on the consumer thread's own sockets, like Redis.
+* **TLS** (memcached built with TLS, ``-Z``): every connection, asyncio or blocking, uses
+  the client's :class:`~asynccache.store.transport.endpoint.TlsSettings` (``?tls=true``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import itertools
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ...errors import StoreError, StoreRejected, StoreUnavailable
+from ..api import (
+    NOT_READ,
+    BaseClient,
+    BlockingGetConnection,
+    ConsumerReads,
+    ReadResult,
+    WriteResult,
+    chunked,
+)
+from ..protocol.memcache import (
+    STORED,
+    VERSION,
+    ErrorReply,
+    ProtocolViolation,
+    Reply,
+    ReplyParser,
+    Request,
+    explain_rejection,
+    hashed_prefix,
+    meta_size,
+    no_answer,
+    not_understood,
+    pack_add,
+    pack_delete,
+    pack_exists,
+    pack_get,
+    pack_set,
+    pack_size,
+    safe_memcached_key,
+    safe_memcached_keys,
+    unexpected_reply,
+)
+from ..transport.endpoint import TlsSettings, close_transport, closed_hint, connect_failure
+from .admin import AdminTarget, metadump_keys, settings
+from .reads import BlockingMemcachedConnection
+
+__all__ = ["MemcachedClient", "MemcachedConnection", "rendezvous_owner", "safe_memcached_key"]
+
+T = TypeVar("T")
+
+_THIRTY_DAYS = 30 * 24 * 3600
+#: Room for memcached's per-item header within the slab item size.
+_ITEM_OVERHEAD = 1024
+
+
+def rendezvous_owner(key: bytes, nodes: Sequence[str]) -> int:
+    """Index of the node with the highest hash weight for ``key``."""
+    best, best_weight = 0, -1
+    for index, node in enumerate(nodes):
+        digest = hashlib.blake2b(key, digest_size=8, key=node.encode()[:64]).digest()
+        weight = int.from_bytes(digest, "big")
+        if weight > best_weight:
+            best, best_weight = index, weight
+    return best
+
+
+class _Protocol(asyncio.Protocol):
+    def __init__(self, where: str, max_value: int, tls: TlsSettings | None = None) -> None:
+        self.where = where
+        self.tls = tls
+        self.parser = ReplyParser(max_value)
+        self.waiters: collections.deque[asyncio.Future[Reply]] = collections.deque()
+        self.transport: asyncio.Transport | None = None
+        self.failure: StoreError | None = None
+        self.replies = 0  # replies received so far on this connection
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        parser, waiters = self.parser, self.waiters
+        parser.feed(data)
+        try:
+            while (reply := parser.next()) is not None:
+                if isinstance(reply, ErrorReply) and not reply.in_sync:
+                    self.fail(not_understood(self.where, reply))
+                    return
+                self.replies += 1
+                fut = waiters.popleft()
+                if not fut.done():
+                    fut.set_result(reply)
+        except ProtocolViolation as exc:
+            self.fail(unexpected_reply(self.where, exc))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        reason = f": {exc}" if exc else ""
+        hint = closed_hint(self.tls, fresh=not self.replies,
+                           tls_url=f"memcached://{self.where}?tls=true")
+        self.fail(StoreUnavailable(f"memcached connection to {self.where} was closed{reason}"
+                                   f"{hint}"))
+
+    def fail(self, error: StoreError) -> None:
+        """Fail every pending request and refuse new ones; close the transport."""
+        if self.failure is None:
+            self.failure = error
+        while self.waiters:
+            fut = self.waiters.popleft()
+            if not fut.done():
+                fut.set_exception(error)
+        if self.transport is not None:
+            close_transport(self.transport)
+
+
+class MemcachedConnection:
+    """One pipelined connection to one memcached server, opened lazily, in one loop."""
+
+    def __init__(self, host: str, port: int, *, timeout: float, connect_timeout: float,
+                 max_value: int, tls: TlsSettings | None = None) -> None:
+        self.host = host
+        self.port = port
+        self.where = f"{host}:{port}"
+        self.tls = tls
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.max_value = max_value
+        self._proto: _Protocol | None = None
+        self._connecting: asyncio.Future[_Protocol] | None = None
+
+    async def _connected(self) -> _Protocol:
+        proto = self._proto
+        if proto is not None and proto.failure is None:
+            return proto
+        if self._connecting is None:
+            self._connecting = asyncio.ensure_future(self._connect())
+        try:
+            return await asyncio.shield(self._connecting)
+        finally:
+            if self._connecting is not None and self._connecting.done():
+                self._connecting = None
+
+    async def _connect(self) -> _Protocol:
+        loop = asyncio.get_running_loop()
+        proto = _Protocol(self.where, self.max_value, self.tls)
+        tls = self.tls
+        try:
+            await asyncio.wait_for(loop.create_connection(
+                lambda: proto, self.host, self.port,
+                ssl=None if tls is None else tls.context(),
+                server_hostname=None if tls is None else self.host), self.connect_timeout)
+        except (asyncio.TimeoutError, OSError) as exc:  # ssl.SSLError is an OSError
+            raise connect_failure("memcached", self.where, exc, tls,
+                                  self.connect_timeout) from exc
+        self._proto = proto
+        return proto
+
+    async def _send(self, proto: _Protocol, requests: Sequence[Request]) -> list[Reply]:
+        """Write requests back to back and wait for their replies (one timer for all)."""
+        if proto.failure is not None:
+            raise proto.failure
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in requests]
+        proto.waiters.extend(futures)
+        for request in requests:
+            proto.parser.expect(request)
+        proto.transport.writelines(  # type: ignore[union-attr]
+            itertools.chain.from_iterable(r.buffers for r in requests))
+        timer = loop.call_later(self.timeout, self._expire, proto)
+        try:
+            return [await fut for fut in futures]
+        except BaseException:
+            for fut in futures:  # consume the siblings' errors: nobody else awaits them
+                if fut.done() and not fut.cancelled():
+                    fut.exception()
+                else:
+                    fut.cancel()
+            raise
+        finally:
+            timer.cancel()
+
+    def _expire(self, proto: _Protocol) -> None:
+        proto.fail(no_answer(self.where, self.timeout))
+
+    async def execute(self, requests: Sequence[Request]) -> list[Reply]:
+        """Send every request pipelined; their replies in order (``SERVER_ERROR`` replies
+        included, as :class:`ErrorReply` values). Commands must be idempotent: one that
+        found an idle connection closed by the server is sent once more."""
+        proto = await self._connected()
+        idle, replies_before = not proto.waiters, proto.replies
+        try:
+            return await self._send(proto, requests)
+        except StoreUnavailable:
+            if not (idle and proto.replies == replies_before):
+                raise
+            # the server had closed the idle connection: once more on a fresh one
+            return await self._send(await self._connected(), requests)
+
+    def close(self) -> None:
+        if self._proto is not None and self._proto.transport is not None:
+            close_transport(self._proto.transport)
+        self._proto = None
+
+
+@dataclass
+class _Node:
+    name: str
+    reads: MemcachedConnection
+    writes: MemcachedConnection  # a large write never delays a read
+
+    def close(self) -> None:
+        self.reads.close()
+        self.writes.close()
+
+
+@dataclass
+class _MemcachedState:
+    nodes: list[_Node]
+
+
+class MemcachedClient(BaseClient[_MemcachedState]):
+    """Client for one or more memcached servers (rendezvous hashing across them)."""
+
+    scheme = "memcached"
+    expiry_slack = 1.0  # exptime is whole seconds on a one-second clock
+
+    def __init__(
+        self,
+        *,
+        servers: Sequence[tuple[str, int]] = (("127.0.0.1", 11211),),
+        item_size: int = 1024 * 1024,
+        tls: TlsSettings | None = None,
+        **options: Any,
+    ) -> None:
+        """``tls``: TLS to every server (memcached's ``-Z``), the same settings for all."""
+        options.setdefault("max_batch", 128)
+        super().__init__(**options)
+        if not servers:
+            raise ValueError("MemcachedClient needs at least one server")
+        self.servers = [(str(h), int(p)) for h, p in servers]
+        self.tls = tls
+        self.item_size = int(item_size)
+        self.max_value_size = self.item_size - _ITEM_OVERHEAD
+        self._node_names = tuple(f"{h}:{p}" for h, p in self.servers)
+
+    @property
+    def safe_url(self) -> str:
+        return "memcached://" + ",".join(self._node_names) + ("?tls=true" if self.tls else "")
+
+    @property
+    def node_names(self) -> tuple[str, ...]:
+        return self._node_names
+
+    def _open_state(self) -> _MemcachedState:
+        return _MemcachedState([
+            _Node(name, self._connection(host, port), self._connection(host, port))
+            for name, (host, port) in zip(self._node_names, self.servers)])
+
+    def _connection(self, host: str, port: int) -> MemcachedConnection:
+        return MemcachedConnection(host, port, timeout=self.timeout,
+                                   connect_timeout=self.connect_timeout,
+                                   max_value=2 * self.item_size, tls=self.tls)
+
+    async def _close_state(self, state: _MemcachedState) -> None:
+        for node in state.nodes:
+            node.close()
+
+    def _owner(self, safe_key: bytes) -> int:
+        if len(self._node_names) == 1:
+            return 0
+        return rendezvous_owner(safe_key, self._node_names)
+
+    def consumer_reads(self) -> ConsumerReads:
+        """One blocking connection per server for read-ahead on the consumer's thread."""
+        connections: list[BlockingGetConnection] = [
+            BlockingMemcachedConnection(host, port, timeout=self.timeout,
+                                        connect_timeout=self.connect_timeout,
+                                        max_value=2 * self.item_size, max_batch=self.max_batch,
+                                        tls=self.tls)
+            for host, port in self.servers]
+        return ConsumerReads(connections, self._route, fanout=len(connections))
+
+    def _route(self, keys: Sequence[bytes]) -> list[tuple[int, list[int]]]:
+        """Positions of ``keys`` per owning server (the connections map keys themselves)."""
+        groups: dict[int, list[int]] = {}
+        for position, key in enumerate(keys):
+            groups.setdefault(self._owner(safe_memcached_key(key)), []).append(position)
+        return list(groups.items())
+
+    # -- what the core calls: per-node results ---------------------------------------
+    async def read(self, keys: Sequence[bytes], skip: Collection[str] = ()) -> ReadResult:
+        values: list[Any] = [NOT_READ] * len(keys)
+        result = ReadResult(values)
+        if not keys:
+            return result
+        nodes = self._state().nodes
+        asked: list[_Node] = []
+        calls = []
+        for index, (positions, safe) in self._per_node(keys).items():
+            node = nodes[index]
+            if node.name in skip:
+                result.skipped += len(positions)
+                continue
+            asked.append(node)
+            calls.append(self._read_node(node, positions, safe, values))
+        for node, error in zip(asked, await _concurrently(calls)):
+            if error is None:
+                result.answered.append(node.name)
+            else:
+                result.failures[node.name] = error
+        return result
+
+    def _per_node(self, keys: Sequence[bytes]
+                  ) -> Mapping[int, tuple[Sequence[int], list[bytes]]]:
+        """Per owning server: the positions of its keys, and those keys for memcached."""
+        safe = safe_memcached_keys(keys)
+        if len(self._node_names) == 1:
+            return {0: (range(len(safe)), safe)}
+        groups: dict[int, tuple[list[int], list[bytes]]] = {}
+        for position, key in enumerate(safe):
+            group = groups.get(owner := self._owner(key))
+            if group is None:
+                group = groups[owner] = ([], [])
+            group[0].append(position)
+            group[1].append(key)
+        return groups
+
+    async def _read_node(self, node: _Node, positions: Sequence[int], safe: list[bytes],
+                         values: list[Any]) -> StoreError | None:
+        """Fill ``values`` at ``positions`` with ``node``'s answers for the keys ``safe``
+        (each distinct key asked once); its failure is returned, not raised."""
+        unique = list(dict.fromkeys(safe))
+        requests = [pack_get(chunk) for chunk in chunked(unique, self.max_batch)]
+        try:
+            replies = await node.reads.execute(requests)
+        except StoreError as exc:
+            return exc
+        for reply in replies:
+            if isinstance(reply, ErrorReply):
+                return StoreError(f"memcached {node.name} answered get with {reply}")
+        found: Iterator[Any] = itertools.chain.from_iterable(replies)
+        if len(unique) != len(safe):  # repeated keys: every position gets its key's value
+            by_key = dict(zip(unique, found))
+            found = (by_key[key] for key in safe)
+        elif type(positions) is range and positions.step == 1:  # one node: all of them
+            values[positions.start:positions.stop] = replies[0] if len(replies) == 1 \
+                else found
+            return None
+        for position, value in zip(positions, found):
+            values[position] = value
+        return None
+
+    async def write(self, entries: Mapping[bytes, bytes], ttl: float | None = None,
+                    skip: Collection[str] = ()) -> WriteResult:
+        result = WriteResult()
+        if not entries:
+            return result
+        nodes = self._state().nodes
+        exptime = _exptime(ttl)
+        groups: dict[int, list[tuple[bytes, bytes, Request]]] = {}
+        for key, value in entries.items():
+            safe = safe_memcached_key(key)
+            groups.setdefault(self._owner(safe), []).append(
+                (key, value, pack_set(safe, value, exptime)))
+        asked: list[tuple[_Node, list[tuple[bytes, bytes, Request]]]] = []
+        calls = []
+        for index, items in groups.items():
+            node = nodes[index]
+            if node.name in skip:
+                result.skipped += len(items)
+                continue
+            asked.append((node, items))
+            calls.append(_attempt(node.writes.execute([request for _, _, request in items])))
+        for (node, items), outcome in zip(asked, await _concurrently(calls)):
+            if isinstance(outcome, StoreError):
+                result.failures[node.name] = outcome
+                result.failed_keys += len(items)
+                continue
+            result.answered.append(node.name)
+            for (key, value, _), reply in zip(items, outcome):
+                if reply == STORED:
+                    result.written += 1
+                else:
+                    size = memoryview(value).nbytes
+                    result.rejected[key] = StoreRejected(explain_rejection(reply, node.name, size))
+        return result
+
+    # -- all or nothing -------------------------------------------------------------------
+    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        result = await self.read(keys)
+        for error in result.failures.values():
+            raise error
+        return result.values
+
+    async def set_many(self, mapping: Mapping[bytes, bytes], ttl: float | None = None) -> None:
+        result = await self.write(mapping, ttl)
+        for error in (*result.failures.values(), *result.rejected.values()):
+            raise error
+
+    async def delete_many(self, keys: Sequence[bytes]) -> None:
+        if not keys:
+            return
+        nodes = self._state().nodes
+        groups: dict[int, list[Request]] = {}
+        for safe in dict.fromkeys(safe_memcached_key(k) for k in keys):
+            groups.setdefault(self._owner(safe), []).append(pack_delete(safe))
+        await _on_every_node([(nodes[i], requests) for i, requests in groups.items()],
+                             "delete")
+
+    async def ping(self) -> None:
+        await _on_every_node([(node, [VERSION]) for node in self._state().nodes], "version")
+
+    # -- administration -------------------------------------------------------------------
+    def _admin(self, index: int) -> AdminTarget:
+        host, port = self.servers[index]
+        return AdminTarget(host, port, self.tls, self.timeout, self.connect_timeout)
+
+    async def server_info(self) -> dict[str, Any]:
+        """Per server: its ``version`` and ``item_size`` (``-I``, from ``stats settings``)."""
+        infos = await _concurrently([self._node_info(i) for i in range(len(self.servers))])
+        return {"max_value_size": self.max_value_size, "nodes": dict(zip(self._node_names, infos))}
+
+    async def _node_info(self, index: int) -> dict[str, Any]:
+        node = self._state().nodes[index]
+        (reply,) = await node.reads.execute([VERSION])
+        if isinstance(reply, ErrorReply):
+            raise StoreError(f"memcached {node.name} answered version with {reply}")
+        found = await settings(self._admin(index))
+        item_size = found.get("item_size_max", "")
+        return {"server": "memcached", "version": bytes(reply).partition(b" ")[2].decode(),
+                "item_size": int(item_size) if item_size.isdigit() else None}
+
+    async def scan(self, prefix: bytes, batch: int = 1000
+                   ) -> AsyncIterator[list[tuple[bytes, int | None]]]:
+        """Keys under ``prefix`` on every server (``lru_crawler metadump all``), with their
+        value sizes (``mg key s``, pipelined; a key gone meanwhile is left out).
+
+        Keys are yielded as the server holds them: a key memcached could not take
+        verbatim is in its digest form (see :func:`safe_memcached_key`), found through
+        its namespace prefix, and maps to itself when passed back to ``delete_many``."""
+        starts = (prefix, hashed_prefix(prefix))
+        for index in range(len(self.servers)):
+            found: list[bytes] = []
+            async for key in metadump_keys(self._admin(index)):
+                if key.startswith(starts):
+                    found.append(key)
+                    if len(found) >= batch:
+                        yield await self._sizes(index, found)
+                        found = []
+            if found:
+                yield await self._sizes(index, found)
+
+    async def _sizes(self, index: int, keys: list[bytes]) -> list[tuple[bytes, int | None]]:
+        node = self._state().nodes[index]
+        replies = await node.reads.execute([pack_size(key) for key in keys])
+        listed = []
+        for key, reply in zip(keys, replies):
+            if isinstance(reply, ErrorReply):
+                raise StoreError(f"memcached {node.name} answered mg with {reply}")
+            if not bytes(reply).startswith(b"EN"):
+                listed.append((key, meta_size(bytes(reply))))
+        return listed
+
+    async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """``mg key`` per key (no value transferred), servers concurrently."""
+        found = [False] * len(keys)
+        if not keys:
+            return found
+        nodes = self._state().nodes
+        groups = self._per_node(keys)
+        work = [(nodes[i], positions, [pack_exists(k) for k in safe])
+                for i, (positions, safe) in groups.items()]
+        outcomes = await _concurrently([_attempt(node.reads.execute(requests))
+                                        for node, _, requests in work])
+        for (node, positions, _), outcome in zip(work, outcomes):
+            if isinstance(outcome, StoreError):
+                raise outcome
+            for position, reply in zip(positions, outcome):
+                if isinstance(reply, ErrorReply):
+                    raise StoreError(f"memcached {node.name} answered mg with {reply}")
+                found[position] = not bytes(reply).startswith(b"EN")
+        return found
+
+    async def sizes_many(self, keys: Sequence[bytes]) -> list[int | None]:
+        """``mg key s`` per key (the size; no value transferred), servers concurrently."""
+        sizes: list[int | None] = [None] * len(keys)
+        if not keys:
+            return sizes
+        nodes = self._state().nodes
+        work = [(nodes[i], positions, [pack_size(k) for k in safe])
+                for i, (positions, safe) in self._per_node(keys).items()]
+        outcomes = await _concurrently([_attempt(node.reads.execute(requests))
+                                        for node, _, requests in work])
+        for (node, positions, _), outcome in zip(work, outcomes):
+            if isinstance(outcome, StoreError):
+                raise outcome
+            for position, reply in zip(positions, outcome):
+                if isinstance(reply, ErrorReply):
+                    raise StoreError(f"memcached {node.name} answered mg with {reply}")
+                sizes[position] = meta_size(bytes(reply)) or None
+        return sizes
+
+    async def add_many(self, entries: Mapping[bytes, bytes], ttl: float) -> list[bool]:
+        """memcached ``add`` per key, expiring by :func:`_exptime` (a lease that ended
+        early would let another process compute what this one is computing)."""
+        nodes = self._state().nodes
+        exptime = _exptime(ttl)
+        keys = list(entries)
+        groups: dict[int, list[int]] = {}
+        safe = [safe_memcached_key(k) for k in keys]
+        for position, key in enumerate(safe):
+            groups.setdefault(self._owner(key), []).append(position)
+        work = [(nodes[i], [pack_add(safe[p], entries[keys[p]], exptime) for p in positions])
+                for i, positions in groups.items()]
+        outcomes = await _concurrently([_attempt(node.writes.execute(requests))
+                                        for node, requests in work])
+        added = [False] * len(keys)
+        for (node, _), positions, outcome in zip(work, groups.values(), outcomes):
+            if isinstance(outcome, StoreError):
+                raise outcome
+            for position, reply in zip(positions, outcome):
+                if isinstance(reply, ErrorReply):
+                    raise StoreError(f"memcached {node.name} answered add with {reply}")
+                added[position] = reply == STORED
+        return added
+
+
+async def _on_every_node(work: list[tuple[_Node, list[Request]]], what: str) -> None:
+    """Run each node's requests concurrently; raise the first failure once all ended.
+
+    A reply that is not an error is one the request accepts (``DELETED``/``NOT_FOUND``,
+    ``VERSION …``): the parser checked it.
+    """
+    outcomes = await _concurrently(
+        [_attempt(node.reads.execute(requests)) for node, requests in work])
+    for (node, _), outcome in zip(work, outcomes):
+        if isinstance(outcome, StoreError):
+            raise outcome
+        for reply in outcome:
+            if isinstance(reply, ErrorReply):
+                raise StoreError(f"memcached {node.name} answered {what} with {reply}")
+
+
+async def _attempt(call: Awaitable[T]) -> T | StoreError:
+    """The call's result, or its store failure as a value."""
+    try:
+        return await call
+    except StoreError as exc:
+        return exc
+
+
+async def _concurrently(calls: list[Awaitable[T]]) -> list[T]:
+    """Await every call, concurrently when there are several (no task for just one)."""
+    if len(calls) == 1:
+        return [await calls[0]]
+    return list(await asyncio.gather(*calls))
+
+
+def _exptime(ttl: float | None) -> int:
+    """memcached's exptime for ``ttl`` seconds: whole seconds, rounded up, plus one.
+
+    Its clock moves once a second, so an exptime of ``n`` ends anywhere in ``(n - 1,
+    n]`` after the write: ``ceil(ttl) + 1`` keeps every value at least ``ttl`` (0.1 s
+    lives 1-2 s, 60 s lives 61-62 s). Beyond 30 days memcached reads an absolute Unix
+    time."""
+    if ttl is None:
+        return 0
+    seconds = math.ceil(ttl) + 1
+    return seconds if seconds <= _THIRTY_DAYS else int(time.time()) + seconds

@@ -1,0 +1,230 @@
+"""Consumer-side reads on a Redis Cluster: pipelined ``GET`` s on one blocking socket per
+primary, driven by the consumer thread itself (see :mod:`asynccache.store.redis.reads` for
+why read-ahead runs there, and for deadlines, idle connections and TLS, all inherited).
+
+A read-ahead request to a node is one ``GET`` per key, written back to back: a batch's
+keys sit in as many slots as there are keys, and a multi-key ``MGET`` must stay within
+one slot. The node's replies are gathered into one list per request (the same
+:class:`~asynccache.store.redis.reads.BlockingRespConnection` reader, hiredis), so the
+prefetcher sees one reply per node and per request, as from a single server.
+
+What the consumer never gets is a wrong value: a ``GET`` answered with ``MOVED``/``ASK``
+(the slot moved, or is moving), ``CLUSTERDOWN`` or another error fails the request like
+a broken connection does. The connection is closed and every request on its wire is not
+read (the prefetcher drops those keys and reads them again, directly, when the consumer
+asks for them; the failure is counted by the failure policy, and backs the node off
+only when the node cannot serve: ``CLUSTERDOWN``, a timeout, a refused connection). The
+``trouble`` callback tells the cluster client to re-read its slot map on the loop
+thread; the consumer's routing picks the new map up at its next request.
+
+Replies of earlier requests already parsed in the same :meth:`poll` are handed back
+first: the failure is raised by the next call, so only requests still on the wire are
+lost.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import hiredis
+
+from ...errors import StoreError, StoreTimeout, StoreUnavailable
+from ..protocol.resp import cluster_node_error, pack_gets, unexpected_reply
+from ..transport.endpoint import RedisEndpoint, readable_while_idle
+from .reads import BlockingRespConnection
+
+__all__ = ["BlockingClusterConnection", "Trouble", "UnservedKeys"]
+
+#: ``trouble(node, redirected)``: the node answered a redirection (True) or could not be
+#: reached or could not serve (False); the slot map may be stale. Called on the consumer
+#: thread; it must not block.
+Trouble = Callable[[str, bool], None]
+
+#: A connection that answered less than this many seconds ago is not checked for an idle
+#: close before a send (a ``poll()`` per send, per node): servers close idle connections
+#: after whole seconds, and a close missed anyway is met by the one silent resend.
+IDLE_CHECK_AFTER = 0.5
+
+_ReplyError = hiredis.ReplyError
+
+
+class BlockingClusterConnection(BlockingRespConnection):
+    """One cluster node's socket: each request is a ``GET`` per key, answered as one list.
+
+    ``endpoint`` may be None for a connection not assigned to a node yet (the routing
+    keeps a few spare ones for nodes that join the map later): it is never sent to
+    until :meth:`retarget` gives it one.
+    """
+
+    def __init__(self, endpoint: RedisEndpoint | None, node: str, trouble: Trouble) -> None:
+        super().__init__(endpoint, node)  # type: ignore[arg-type]
+        self.trouble = trouble
+        #: keys (replies) of each pending request, oldest first (as ``pending``)
+        self.counts: collections.deque[int] = collections.deque()
+        self._got: list[Any] = []      # replies of the oldest request gathered so far
+        self._raw = False              # parsing setup replies (AUTH), one at a time
+        self._polling = False
+        self._returned = 0             # replies handed back by the current poll()
+        self._deferred: StoreError | None = None  # raised by the next call
+        self._active = 0.0  # time.monotonic() of the last reply
+
+    def retarget(self, endpoint: RedisEndpoint, node: str) -> None:
+        """Serve another node from now on (only while nothing is pending)."""
+        self._fail()
+        self.endpoint, self.node = endpoint, node
+
+    # -- requests -----------------------------------------------------------------------
+    def send_get(self, keys: Sequence[bytes]) -> None:
+        if self._deferred is not None:
+            raise self._take_deferred()
+        packed = pack_gets(keys)
+        now = time.monotonic()
+        try:
+            if (self.sock is not None and not self.pending
+                    and now - self._active > IDLE_CHECK_AFTER
+                    and readable_while_idle(self.sock)):
+                self._close_socket()  # the server closed it while idle: replace it quietly
+            if self.sock is None:
+                self._connect()
+            if not self.pending:
+                self._may_retry = True
+            deadline = now + self.endpoint.timeout
+            self.pending.append((deadline, packed))
+            self.counts.append(len(keys))
+            try:
+                self._write(packed, deadline)
+            except BaseException:
+                self._fail()
+                raise
+        except (StoreUnavailable, StoreTimeout):
+            self.trouble(self.node, False)
+            raise
+
+    def _connect(self) -> None:
+        self._raw, self._got = True, []  # a fresh parser: the gathered replies are void
+        try:
+            super()._connect()
+        finally:
+            self._raw = False
+
+    # -- replies ------------------------------------------------------------------------
+    def poll(self, limit: int | None = None) -> list[list[Any]]:
+        if self._deferred is not None:
+            raise self._take_deferred()
+        self._polling, self._returned = True, 0
+        try:
+            return super().poll(limit)
+        except (StoreUnavailable, StoreTimeout):
+            self.trouble(self.node, False)
+            raise
+        finally:
+            self._polling = False
+
+    def receive(self) -> list[Any]:
+        if self._deferred is not None:
+            raise self._take_deferred()
+        try:
+            return super().receive()
+        except (StoreUnavailable, StoreTimeout):
+            self.trouble(self.node, False)
+            raise
+
+    def _parse(self) -> Any:
+        """The oldest request's replies as one list once all have arrived, else False;
+        raises (or, inside a poll that already parsed a reply, defers) the failure a
+        reply that is not a value means."""
+        counts = self.counts
+        if self._raw or not counts:
+            return super()._parse()
+        need, got, gets = counts[0], self._got, self.parser.gets
+        try:
+            while len(got) < need:
+                reply = gets()
+                if reply is False:
+                    return False
+                got.append(reply)
+        except Exception as exc:  # hiredis.ProtocolError
+            raise unexpected_reply(self.endpoint.where, exc, self.endpoint.address) from exc
+        self._got = []
+        if _ReplyError in map(type, got):
+            error = self._failure(got)
+            if self._polling and self._returned:
+                self._deferred = error
+                return False
+            raise error
+        if self._polling:
+            self._returned += 1
+        return got
+
+    def _accept(self, reply: Any) -> list[Any]:
+        self.counts.popleft()
+        self._active = time.monotonic()
+        return super()._accept(reply)
+
+    def _failure(self, replies: list[Any]) -> StoreError:
+        reply = next(r for r in replies if type(r) is _ReplyError)
+        text, node = str(reply), self.node
+        if text.startswith(("MOVED ", "ASK ")):
+            self.trouble(node, True)
+            return StoreError(
+                f"redis cluster node {node} redirected a key ({text}): the slot map is "
+                "being re-read; the keys of that request were not read (they are read "
+                "again, from the new owner, when asked for)")
+        error = cluster_node_error(text, node)
+        if error is None:
+            return StoreError(f"redis cluster node {node} answered GET with an error: {text}")
+        if isinstance(error, StoreUnavailable):
+            self.trouble(node, False)
+        return error
+
+    def _take_deferred(self) -> StoreError:
+        error, self._deferred = self._deferred, None
+        self._fail()
+        assert error is not None
+        return error
+
+    def _fail(self) -> None:
+        super()._fail()
+        self.counts.clear()
+        self._got = []
+
+
+class UnservedKeys:
+    """Where the routing sends keys it has no connection for: no map was read yet, a
+    slot no node serves, a node that joined when no spare connection was left. Rare, so
+    these go through the asyncio path on the loop thread, which reads (or re-reads) the
+    map as it does for any read, follows redirections and reports what failed: ``read``
+    returns the values, or raises the failure (those keys are then not read).
+
+    ``name()`` is the node such failures count under (the failure policy backs it off
+    alone)."""
+
+    def __init__(self, name: Callable[[], str],
+                 read: Callable[[Sequence[bytes]], list[Any]]) -> None:
+        self.name = name
+        self.read = read
+        self.replies: collections.deque[list[Any]] = collections.deque()
+        self.pending: tuple[()] = ()  # nothing on a wire: the read is done in send_get
+
+    @property
+    def node(self) -> str:
+        return self.name()
+
+    def send_get(self, keys: Sequence[bytes]) -> None:
+        self.replies.append(self.read(keys))
+
+    def poll(self, limit: int | None = None) -> list[list[Any]]:
+        replies = self.replies
+        n = len(replies) if limit is None else min(limit, len(replies))
+        return [replies.popleft() for _ in range(n)]
+
+    def receive(self) -> list[Any]:
+        if not self.replies:
+            raise StoreError("receive() with no request pending (asynccache bug)")
+        return self.replies.popleft()
+
+    def close(self) -> None:
+        self.replies.clear()
