@@ -30,8 +30,8 @@ from torchdata.nodes import SamplerWrapper
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import asynccache as ac
-from asynccache.observe import board as board_module
 from asynccache.nodes import CachedMapper, NodeIterable
+from asynccache.observe import board as board_module
 from asynccache.observe.board import ENV_DIR, META_FILE, StatsBoard, boards_root
 from asynccache.testing import servers
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import asynccache as ac
-from asynccache.cache.core import MISSING, Failed
+from asynccache.cache.markers import MISSING, Failed
 from asynccache.readahead.prefetch import (
     FIRST_BATCH,
     FIRST_WINDOW,

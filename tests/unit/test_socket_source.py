@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import asynccache as ac
-from asynccache.cache.core import MISSING, AsyncKVCache
+from asynccache.cache.core import AsyncKVCache
+from asynccache.cache.markers import MISSING
 from asynccache.readahead.readers import SocketSource, Ticket
 from asynccache.store.api import NOT_READ, ConsumerReads
 

@@ -37,6 +37,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from .. import _fork
 from ..errors import (
     CacheError,
     ClosedError,
@@ -49,16 +50,16 @@ from ..errors import (
 )
 from ..observe.histogram import Histograms, Latency
 from ..observe.stats import Counters
-from ..store.api import NOT_READ, BaseClient, WriteResult
+from ..store.api import BaseClient, WriteResult
 from .codec.codec import DEFAULT_CODEC, ChunkManifest, Codec, join_chunks, split_chunks
 from .expiry import check_ttl
 from .health import FailurePolicy, OnError
 from .keys import DEFAULT_MAX_KEY_SIZE, Keyspace, chunk_keys, lease_key
 from .l1 import L1Cache
+from .markers import MISSING, NOT_READ, Failed, is_value
 from .writes import Batch, WriteQueue
 
-__all__ = ["MISSING", "NOT_READ", "AsyncKVCache", "Failed", "Key", "OnError", "check_settings",
-           "is_value"]
+__all__ = ["AsyncKVCache", "Key", "OnError", "check_settings"]
 
 Key = Any  # int-like, str, bytes or tuples of them: see asynccache.cache.keys
 
@@ -71,45 +72,8 @@ LEASE_POLL = (0.005, 0.1)
 
 logger = logging.getLogger("asynccache")
 
-
-class _Missing:
-    """Sentinel for "not given" / "not in the cache" (``None`` is a valid value)."""
-
-    _instance: _Missing | None = None
-
-    def __new__(cls) -> _Missing:
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __repr__(self) -> str:
-        return "MISSING"
-
-    def __reduce__(self) -> str:
-        return "MISSING"
-
-
-MISSING: Any = _Missing()
-
 #: Values no reader can change in place: handed to every reader as they are.
 _IMMUTABLE = frozenset({bool, int, float, complex, str, bytes, type(None)})
-
-
-class Failed:
-    """A value that failed to decode, in raise mode: raised where it is consumed."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: CacheError) -> None:
-        self.error = error
-
-    def __repr__(self) -> str:
-        return f"Failed({self.error!r})"
-
-
-def is_value(value: Any) -> bool:
-    """A read that found a usable value: not a miss, not unread, not a failure."""
-    return value is not MISSING and value is not NOT_READ and type(value) is not Failed
 
 
 def check_settings(client: Any, on_error: Any, lease: Any, l1_bytes: Any) -> None:
@@ -710,10 +674,11 @@ class AsyncKVCache:
     @property
     def lease_token(self) -> bytes:
         """What this process writes into the leases it holds (pid + random: who holds it)."""
-        token = getattr(self, "_lease_token", None)
-        if token is None or not token.startswith(b"%d:" % os.getpid()):
-            token = self._lease_token = b"%d:%s" % (os.getpid(), secrets.token_hex(8).encode())
-        return token
+        made = getattr(self, "_lease_token", None)
+        if made is None or made[0] != _fork.generation:  # a forked child: a token of its own
+            token = b"%d:%s" % (os.getpid(), secrets.token_hex(8).encode())
+            made = self._lease_token = (_fork.generation, token)
+        return made[1]
 
     async def claim(self, store_keys: Sequence[bytes]
                     ) -> tuple[dict[bytes, Any], list[bytes], list[bytes]]:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..errors import ConfigError
 from .expiry import check_ttl
 from .keys import encode_key
+from .markers import MISSING
 
 if TYPE_CHECKING:
     from .core import AsyncKVCache
@@ -60,8 +61,6 @@ def cached(cache: AsyncKVCache, fn: Callable[..., Any], ttl: Any,
     if key is not None and not callable(key):
         raise ConfigError(f"key= must be a callable taking the call's arguments, got "
                           f"{type(key).__name__}")
-    from .core import MISSING
-
     if ttl is not MISSING:
         check_ttl(ttl)
     signature = inspect.signature(fn)

@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..cache.codec.codec import MAX_MANIFEST_BLOB, Codec
-from ..cache.core import MISSING, AsyncKVCache, Failed
+from ..cache.core import AsyncKVCache
 from ..cache.keys import chunk_keys
+from ..cache.markers import MISSING, Failed
 from ..errors import ConfigError, EncodeError, StoreError
 from ..store.connect import connect
 

@@ -51,6 +51,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .. import _fork
+
 __all__ = ["ENV_DIR", "META_FILE", "REPORT_INTERVAL", "StatsBoard", "boards_root"]
 
 logger = logging.getLogger("asynccache")
@@ -301,16 +303,16 @@ def _rows(data: bytes | None) -> dict[str, list[int]] | None:
 
 # -- boards this process owns: removed when it exits ---------------------------------------
 _owned: dict[str, StatsBoard] = {}
-_hooked_pid = 0
+_hooked = -1  # the fork generation the exit hook was registered in
 
 
 def _own(board: StatsBoard) -> None:
-    global _hooked_pid
+    global _hooked
     _owned[board.board_id] = board
-    if _hooked_pid != os.getpid():
+    if _hooked != _fork.generation:
         # a forked multiprocessing child leaves through os._exit: atexit does not run
         # there, multiprocessing's finalizers do (this one after the loop's, 100)
-        _hooked_pid = os.getpid()
+        _hooked = _fork.generation
         multiprocessing.util.Finalize(None, _remove_owned, exitpriority=10)
 
 
@@ -321,7 +323,7 @@ def _remove_owned() -> None:
 
 atexit.register(_remove_owned)
 # a forked child does not own its parent's boards
-os.register_at_fork(after_in_child=_owned.clear)
+_fork.at_fork(in_child=_owned.clear)
 
 
 class StatsBoard:

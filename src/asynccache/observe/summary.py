@@ -16,11 +16,11 @@ stays at WARNING (see the package docstring): who starts it wants its lines.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import weakref
 from typing import Any
 
+from .. import _fork
 from ..errors import ConfigError
 from .histogram import Latency
 
@@ -87,7 +87,7 @@ class SummaryLogger:
         self.logger = logger if logger is not None else _logger
         self.level = level
         self._ref = weakref.ref(obj)
-        self._pid = os.getpid()
+        self._generation = _fork.generation
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="asynccache-summary",
                                         daemon=True)
@@ -95,7 +95,7 @@ class SummaryLogger:
 
     @property
     def running(self) -> bool:
-        return os.getpid() == self._pid and self._thread.is_alive()
+        return self._generation == _fork.generation and self._thread.is_alive()
 
     def log_now(self) -> None:
         """Log the line once, now (nothing if the object is gone)."""
@@ -115,7 +115,7 @@ class SummaryLogger:
     def stop(self, *, final: bool = False) -> None:
         """Stop the timer (``final``: log one last line first). In a forked child, where
         the timer never ran, it does nothing."""
-        if os.getpid() != self._pid:
+        if self._generation != _fork.generation:
             return
         self._stop.set()
         if self._thread is not threading.current_thread():

@@ -46,9 +46,10 @@ from typing import Any
 from .. import _fork
 from .._fork import park_inherited
 from ..cache.codec.codec import Codec
-from ..cache.core import MISSING, AsyncKVCache, OnError, check_settings
+from ..cache.core import AsyncKVCache, OnError, check_settings
 from ..cache.expiry import check_ttl
 from ..cache.keys import Keyspace
+from ..cache.markers import MISSING
 from ..errors import ClosedError, ConfigError
 from ..store.api import BaseClient
 from .prefetch import DEFAULT_PREFETCH_BYTES, Prefetcher
@@ -77,7 +78,7 @@ def _new_runtime_lock() -> None:
     _runtime_lock = threading.Lock()  # the parent's may have been held by another thread
 
 
-os.register_at_fork(after_in_child=_new_runtime_lock)
+_fork.at_fork(in_child=_new_runtime_lock)
 
 
 def _mapping_behind(source: Any) -> Mapping[Any, Any] | None:

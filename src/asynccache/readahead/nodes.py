@@ -41,11 +41,12 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .. import _fork
 from .._fork import park_inherited
 from ..cache.codec.codec import Codec
-from ..cache.core import MISSING, AsyncKVCache, Failed, OnError, check_settings
+from ..cache.core import AsyncKVCache, OnError, check_settings
 from ..cache.expiry import check_ttl
 from ..cache.keys import Keyspace
+from ..cache.markers import MISSING, NOT_READ, Failed
 from ..errors import ClosedError, ConfigError, MissingDependency
-from ..store.api import NOT_READ, BaseClient
+from ..store.api import BaseClient
 from .prefetch import DEFAULT_PREFETCH_BYTES, WINDOW_GROWTH, WindowSizer
 from .readers import ReadSource, Ticket
 from .runtime import CacheRuntime, Reports

@@ -38,9 +38,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..cache.core import MISSING, Failed
+from .._sentinel import Sentinel
+from ..cache.markers import MISSING, NOT_READ, Failed
 from ..errors import CacheError, StoreTimeout
-from ..store.api import NOT_READ
 from .readers import ReadSource, Ticket
 
 __all__ = ["DEFAULT_PREFETCH_BYTES", "FIRST_BATCH", "FIRST_WINDOW", "GROWN_SAMPLE",
@@ -48,12 +48,8 @@ __all__ = ["DEFAULT_PREFETCH_BYTES", "FIRST_BATCH", "FIRST_WINDOW", "GROWN_SAMPL
            "full_window", "learned", "sized_window", "small_item_bytes", "values_found"]
 
 
-class _Nothing:
-    def __repr__(self) -> str:
-        return "NOTHING"
-
-
-_NOTHING: Any = _Nothing()  # not in the ready buffer
+class NOTHING(Sentinel, metaclass=Sentinel):
+    """Not in the ready buffer."""
 
 #: the counters a prefetcher reports in stats()
 COUNTERS = ("hits", "misses", "prefetch_hits", "stalls", "stall_us", "direct_reads",
@@ -464,12 +460,12 @@ class Prefetcher:
             ticket.error = StoreTimeout("a read did not complete within its deadline")
 
     def _await(self, index: Any) -> Any:
-        """The value of ``index`` if it is in flight (waiting for it); ``_NOTHING`` if it
+        """The value of ``index`` if it is in flight (waiting for it); ``NOTHING`` if it
         was never requested or its read failed (fallback; raise mode raises)."""
         ticket = self.inflight.get(index)
         if ticket is None:  # never requested, or delivered by an earlier wait
-            value = self.ready.pop(index, _NOTHING)
-            if value is not _NOTHING:
+            value = self.ready.pop(index, NOTHING)
+            if value is not NOTHING:
                 self.prefetch_hits += 1
             return value
         source = self.source
@@ -483,8 +479,8 @@ class Prefetcher:
                 self._abandon(ticket)
             self.stall_us += int((time.perf_counter() - started) * 1e6)
         self._deliver(source.advance(ticket) if self.bounded else source.poll())
-        value = self.ready.pop(index, _NOTHING)
-        if value is _NOTHING:
+        value = self.ready.pop(index, NOTHING)
+        if value is NOTHING:
             if self.strict and ticket.error is not None:
                 raise ticket.error
         elif not stalled:
@@ -559,8 +555,8 @@ class Prefetcher:
     # -- consumer API -----------------------------------------------------------------------
     def take(self, index: Any) -> Any:
         """The value for ``index`` (MISSING on a store miss); read now if not planned."""
-        value = self.ready.pop(index, _NOTHING)
-        if value is not _NOTHING:
+        value = self.ready.pop(index, NOTHING)
+        if value is not NOTHING:
             pos = self.pos
             if pos < self.plan_len and self.plan[pos] == index:  # the common case, inlined
                 self.pos = pos + 1
@@ -583,7 +579,7 @@ class Prefetcher:
         in_order = self.pos < self.plan_len and self.plan[self.pos] == index
         on_plan = self._advance(index)
         value = self._await(index)
-        if value is _NOTHING or (value is MISSING and not in_order):
+        if value is NOTHING or (value is MISSING and not in_order):
             # sent before the read-ahead _after may start: behind it, this read would
             # wait for all of it (a new epoch's first window: tens of MiB of large values)
             ticket = self._start_direct([index])
@@ -598,7 +594,7 @@ class Prefetcher:
         self._count_slow(len(indices))  # the clock first: before a stale miss is taken
         self._deliver(self.source.poll())  # whatever arrived since the last read
         pop = self.ready.pop
-        out = [pop(i, _NOTHING) for i in indices]
+        out = [pop(i, NOTHING) for i in indices]
         contiguous = (bool(indices) and type(indices[0]) is int
                       and type(self.last_index) is int and indices[0] == self.last_index + 1
                       and all(b == a + 1 for a, b in itertools.pairwise(indices)))
@@ -609,14 +605,14 @@ class Prefetcher:
             on_plan = self._advance(index) or on_plan
             value = out[n]
             if value is MISSING and not in_order[n]:
-                out[n] = _NOTHING  # out of plan order: it may be older than a write since
-            elif value is not _NOTHING:
+                out[n] = NOTHING  # out of plan order: it may be older than a write since
+            elif value is not NOTHING:
                 self.prefetch_hits += 1
         todo = []
         for n, value in enumerate(out):
-            if value is _NOTHING:
+            if value is NOTHING:
                 value = out[n] = self._await(indices[n])
-                if value is _NOTHING or (value is MISSING and not in_order[n]):
+                if value is NOTHING or (value is MISSING and not in_order[n]):
                     todo.append(n)
         direct = None
         if todo:  # sent before the read-ahead below: it must not queue behind it
@@ -642,7 +638,7 @@ class Prefetcher:
         # has shrunk since (the values' sizes became known): only what was skipped is
         upcoming = set(self.plan[self.pos : max(self.requested, self.pos + self.window)])
         for index in [i for i in self.ready if i not in upcoming]:
-            if self.ready.pop(index, _NOTHING) is not _NOTHING:
+            if self.ready.pop(index, NOTHING) is not NOTHING:
                 self.wasted += 1
 
     def close(self) -> None:

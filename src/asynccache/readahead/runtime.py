@@ -18,8 +18,9 @@ from typing import Any
 
 from .. import _fork
 from ..cache.codec.codec import Codec
-from ..cache.core import AsyncKVCache, OnError, is_value
+from ..cache.core import AsyncKVCache, OnError
 from ..cache.keys import Keyspace
+from ..cache.markers import is_value
 from ..errors import CacheError, StoreError
 from ..observe.board import REPORT_INTERVAL, StatsBoard
 from ..observe.histogram import Latency, merge
@@ -45,7 +46,7 @@ class Reports:
         self.board.sweep()
         with contextlib.suppress(OSError):
             self.board.label(self.namespace)
-        weakref.finalize(owner, _remove_if_owner, self.board, self.owner_pid)
+        weakref.finalize(owner, _remove_if_owner, self.board, _fork.generation)
 
     def publish(self, counters: dict[str, int],
                 latency: dict[str, list[int]] | None = None) -> None:
@@ -100,8 +101,8 @@ def _report_weakly(ref: weakref.ref[CacheRuntime]) -> None:
         runtime._report()
 
 
-def _remove_if_owner(board: StatsBoard, owner_pid: int) -> None:
-    if os.getpid() == owner_pid:  # a forked child inherits this finalizer: not its board
+def _remove_if_owner(board: StatsBoard, generation: int) -> None:
+    if _fork.generation == generation:  # a forked child inherits this finalizer: not its board
         board.remove()
 
 

@@ -42,7 +42,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapp
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
-from .._fork import park_inherited
+from .. import _fork
+from .._sentinel import Sentinel
 from ..errors import ConfigError, StoreError, StoreTimeout, Unsupported
 
 __all__ = [
@@ -66,28 +67,12 @@ StateT = TypeVar("StateT")
 T = TypeVar("T")
 
 
-class _NotRead:
-    """Sentinel: a key that was not read (its node failed or is backing off).
+class NOT_READ(Sentinel, metaclass=Sentinel):
+    """A key that was not read (its node failed or is backing off).
 
     Not the same as ``None`` (read, and absent): read-ahead drops a ``NOT_READ`` key
     instead of remembering it as a miss, so a failure never outlives itself.
     """
-
-    _instance: _NotRead | None = None
-
-    def __new__(cls) -> _NotRead:
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __repr__(self) -> str:
-        return "NOT_READ"
-
-    def __reduce__(self) -> str:
-        return "NOT_READ"
-
-
-NOT_READ: Any = _NotRead()
 
 
 @dataclass(slots=True)
@@ -269,7 +254,7 @@ class BaseClient(ABC, Generic[StateT]):
 
     # -- runtime state ------------------------------------------------------------------
     def _init_runtime(self) -> None:
-        self._pid = os.getpid()
+        self._generation = _fork.generation
         self._states: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, StateT] = (
             weakref.WeakKeyDictionary()
         )
@@ -279,9 +264,9 @@ class BaseClient(ABC, Generic[StateT]):
 
     def _forked(self) -> bool:
         """True (and the inherited state parked) in a forked child: its sockets are not ours."""
-        if self._pid == os.getpid():
+        if self._generation == _fork.generation:
             return False
-        park_inherited((self._states, self._users))
+        _fork.park_inherited((self._states, self._users))
         self._init_runtime()
         return True
 
@@ -349,7 +334,7 @@ class BaseClient(ABC, Generic[StateT]):
         state = self.__dict__.copy()
         state.pop("_states", None)
         state.pop("_users", None)
-        state.pop("_pid", None)
+        state.pop("_generation", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

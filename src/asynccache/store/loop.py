@@ -1,9 +1,9 @@
 """One event loop per process, in a daemon thread, for the synchronous integrations.
 
 Why not one loop per object: every asyncio connection belongs to the loop that made it,
-so sharing one loop lets every pipe in a process share connections. Why a pid check:
-after ``fork`` the child inherits the parent's ``LoopThread`` object but not its thread,
-so :func:`get_loop_thread` builds a new one when ``os.getpid()`` changed. Why not
+so sharing one loop lets every pipe in a process share connections. After ``fork`` the
+child inherits the parent's ``LoopThread`` object but not its thread, so
+:func:`get_loop_thread` builds a new one when the fork generation moved on. Why not
 ``anyio.from_thread.start_blocking_portal``: the hot path needs only
 ``call_soon_threadsafe`` (one per batch) and ``run_coroutine_threadsafe``; a portal adds
 a layer per call without adding anything we use (see the issue notes).
@@ -21,13 +21,12 @@ import atexit
 import concurrent.futures
 import logging
 import multiprocessing.util
-import os
 import threading
 import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from .._fork import park_inherited
+from .. import _fork
 from ..errors import LoopError
 
 __all__ = ["LoopThread", "get_loop_thread"]
@@ -52,7 +51,7 @@ class LoopThread:
     """An event loop running forever in a daemon thread of this process."""
 
     def __init__(self, name: str = "asynccache-loop") -> None:
-        self.pid = os.getpid()
+        self.generation = _fork.generation
         self.loop = _new_event_loop()
         self._hooks: weakref.WeakSet[Any] = weakref.WeakSet()
         self._ready = threading.Event()
@@ -113,7 +112,7 @@ class LoopThread:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Run shutdown hooks, cancel what is left, stop and join the thread."""
-        if self.closed or self._stopping or self.pid != os.getpid():
+        if self.closed or self._stopping or self.generation != _fork.generation:
             return
         self._stopping = True  # hooks may still use the loop; new users get a new one
         for owner in list(self._hooks):
@@ -144,19 +143,19 @@ def get_loop_thread() -> LoopThread:
     """This process's loop thread, started on first use and after a fork."""
     global _current
     current = _current
-    if current is not None and current.pid == os.getpid() and not current.closed:
+    if current is not None and current.generation == _fork.generation and not current.closed:
         return current
     with _lock:
         current = _current
-        if current is None or current.pid != os.getpid() or current.closed:
-            if current is not None and current.pid != os.getpid():
-                park_inherited(current)  # the parent's loop: never run, close or free it here
+        if current is None or current.generation != _fork.generation or current.closed:
+            if current is not None and current.generation != _fork.generation:
+                _fork.park_inherited(current)  # the parent's loop: never run, close or free it here
             current = _current = LoopThread()
             _register_exit_hook()
     return current
 
 
-_hooked_pid = 0
+_hooked = -1  # the fork generation the exit hook was registered in
 
 
 def _register_exit_hook() -> None:
@@ -165,15 +164,15 @@ def _register_exit_hook() -> None:
     Not tied to a LoopThread object: a finalizer bound to an old loop would run when
     that object is collected and stop its replacement.
     """
-    global _hooked_pid
-    if _hooked_pid != os.getpid():
-        _hooked_pid = os.getpid()
+    global _hooked
+    if _hooked != _fork.generation:
+        _hooked = _fork.generation
         multiprocessing.util.Finalize(None, _shutdown, exitpriority=100)
 
 
 def _shutdown() -> None:
     current = _current
-    if current is not None and current.pid == os.getpid():
+    if current is not None and current.generation == _fork.generation:
         current.stop()
 
 
@@ -184,4 +183,4 @@ def _after_fork_in_child() -> None:
 
 
 atexit.register(_shutdown)
-os.register_at_fork(after_in_child=_after_fork_in_child)
+_fork.at_fork(in_child=_after_fork_in_child)

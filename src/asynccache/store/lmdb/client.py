@@ -232,8 +232,7 @@ def _after_fork_in_child() -> None:
     _process = _Process()
 
 
-os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
-                    after_in_child=_after_fork_in_child)
+_fork.at_fork(before=_before_fork, in_parent=_after_fork_in_parent, in_child=_after_fork_in_child)
 
 
 @contextlib.contextmanager
