@@ -15,10 +15,10 @@ import asynccache as ac
 from asynccache.cache.core import AsyncKVCache
 from asynccache.cache.markers import MISSING
 from asynccache.readahead.readers import SocketSource, Ticket
-from asynccache.store.api import NOT_READ, ConsumerReads
+from asynccache.store.api import NOT_READ, ConsumerConnection, ConsumerReads
 
 
-class ScriptedConnection:
+class ScriptedConnection(ConsumerConnection):
     """Answers every request at once (queued until polled); ``fail_on`` lists the
     numbers of the requests (0, 1, ...) whose send raises. Like a careless provider's
     connection, it keeps what it queued when a send raises: only close() drops it."""

@@ -40,6 +40,7 @@ from ..errors import (
     StoreUnavailable,
 )
 from ..observe.stats import Counters, FailureLog
+from ..store.api import NodeName
 
 __all__ = ["BACKOFF_MAX", "BACKOFF_START", "FailurePolicy", "OnError"]
 
@@ -47,7 +48,7 @@ OnError = Literal["fallback", "raise"]
 
 BACKOFF_START = 0.5
 BACKOFF_MAX = 30.0
-_NOBODY: frozenset[str] = frozenset()
+_NOBODY: frozenset[NodeName] = frozenset()
 
 
 class FailurePolicy:
@@ -60,11 +61,11 @@ class FailurePolicy:
         self.where = where
         self.log = FailureLog()
         self._lock = threading.Lock()
-        self._until: dict[str, float] = {}    # node -> monotonic time its back-off ends
-        self._backoff: dict[str, float] = {}  # node -> length of its next back-off
+        self._until: dict[NodeName, float] = {}    # node -> monotonic time its back-off ends
+        self._backoff: dict[NodeName, float] = {}  # node -> length of its next back-off
 
     # -- asking -----------------------------------------------------------------------
-    def down(self) -> frozenset[str]:
+    def down(self) -> frozenset[NodeName]:
         """Nodes to skip right now (always none in raise mode)."""
         if not self._until or self.strict:
             return _NOBODY
@@ -72,12 +73,12 @@ class FailurePolicy:
         with self._lock:
             return frozenset(node for node, until in self._until.items() if now < until)
 
-    def is_down(self, node: str) -> bool:
+    def is_down(self, node: NodeName) -> bool:
         until = self._until.get(node)
         return until is not None and not self.strict and time.monotonic() < until
 
     # -- telling ----------------------------------------------------------------------
-    def failed(self, node: str, operation: str, exc: CacheError) -> None:
+    def failed(self, node: NodeName, operation: str, exc: CacheError) -> None:
         """A request to ``node`` failed: count it, back the node off, log it once."""
         counters = self.counters.shard()
         counters["errors"] += 1
@@ -114,7 +115,7 @@ class FailurePolicy:
         if not self.strict:
             self.log.report("decode", exc, self.where)
 
-    def succeeded(self, node: str) -> None:
+    def succeeded(self, node: NodeName) -> None:
         """``node`` answered: its back-off starts from the beginning next time."""
         if node in self._backoff:
             with self._lock:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import inspect
 import logging
 import threading
 import time
@@ -118,8 +117,6 @@ class SocketSource(ReadSource):
         self.loop = loop
         self.conns = reads.connections
         self.fanout = reads.fanout
-        #: which connections take poll(limit) (a provider's may predate it: poll() then)
-        self.limited = [_takes_limit(conn) for conn in self.conns]
         self.route = reads.route
         self.histograms = cache.histograms
         #: per connection, the ticket parts on its wire, oldest first:
@@ -127,8 +124,6 @@ class SocketSource(ReadSource):
         self.parts: list[collections.deque[tuple[Ticket, list[int] | None, int]]] = [
             collections.deque() for _ in self.conns]
         self.completed: list[Ticket] = []
-        #: connections that can extend their deadlines (a provider's may not)
-        self.extendable = [conn for conn in self.conns if hasattr(conn, "extend_deadlines")]
         self.timeout = cache.client.timeout
         self.looked = 0.0  # time.monotonic() at the end of the last call into this source
 
@@ -142,7 +137,7 @@ class SocketSource(ReadSource):
         now = time.monotonic()
         if now - self.looked > AWAY:
             at_least = now + self.timeout
-            for conn in self.extendable:
+            for conn in self.conns:
                 conn.extend_deadlines(at_least)
 
     def submit(self, ticket: Ticket) -> None:
@@ -195,7 +190,7 @@ class SocketSource(ReadSource):
         """The replies connection ``ci`` has (at most ``limit``), matched to their parts."""
         conn = self.conns[ci]
         try:
-            replies = conn.poll(limit) if limit is not None and self.limited[ci] else conn.poll()
+            replies = conn.poll(limit)
         except StoreError as exc:
             self._lost(ci, exc)
             return
@@ -311,13 +306,6 @@ class SocketSource(ReadSource):
             conn.close()
         for parts in self.parts:
             parts.clear()
-
-
-def _takes_limit(conn: Any) -> bool:
-    try:
-        return "limit" in inspect.signature(conn.poll).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 class LoopSource(ReadSource):

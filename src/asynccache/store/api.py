@@ -1,62 +1,44 @@
-"""The interface every store client implements, and the per-loop connection plumbing.
+"""The store interface: what the cache layer calls, and what a consumer thread reads on.
 
-A client is a *configuration object*: it holds the URL's settings and opens connections
-lazily, in the process and event loop that first uses it. asyncio connections belong to
-one loop (redis-py #2838, #3351) and do not survive ``fork`` (redis-py #2910, #3141), so
-the live connection state is kept per ``(pid, loop)`` and dropped when pickled. That is
-what lets one client object be handed to DataLoader workers under fork, spawn or
-forkserver, and be used both from an async service's loop and from asynccache's own
-loop thread.
-
-Bytes in, bytes out: keys are ``bytes``, values are ``bytes``; a missing key is ``None``.
-Every operation is bounded by ``timeout`` seconds and raises only
-:class:`~asynccache.errors.StoreError` subclasses for store trouble.
-
-Two levels of operations:
-
-* ``get_many`` / ``set_many`` / ``delete_many`` / ``ping``: all or nothing; what a simple
-  provider implements.
-* ``read`` / ``write``: what the core calls. They never raise for store trouble: they
-  report it per **node** (``ReadResult.failures``), skip the nodes the failure policy
-  says are backing off, and mark keys they could not read as ``NOT_READ``. For a
-  single-server store the defaults wrap the first level; a pool or a cluster overrides
-  them so that one dead node costs only its own keys.
-
-Passwords never live on the client object: it holds a :class:`Credential`, which says
-where the password is (a process-local vault, keyed by a fingerprint of the URL without
-secrets, or an environment variable) and is all that a pickle carries. See
-:mod:`asynccache.connect` for how child processes find it.
+A client (:class:`BaseClient`) is picklable configuration; it opens its connections
+lazily, per process and event loop. The cache calls :meth:`BaseClient.read` and
+:meth:`BaseClient.write`, which report per node (:class:`ReadResult`,
+:class:`WriteResult`) and never raise for store trouble; ``get_many``/``set_many`` are
+the all-or-nothing forms derived from them. A store that is one node answering all or
+nothing (:class:`SimpleStore`: providers, memory) goes the other way, through the one
+adapter, :func:`read_one_node` / :func:`write_one_node`. Read-ahead on a consumer's own
+thread uses :class:`ConsumerConnection` s (:meth:`BaseClient.consumer_reads`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import itertools
-import os
-import re
-import threading
+import collections
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, NewType, TypeVar
 
 from .. import _fork
 from .._sentinel import Sentinel
-from ..errors import ConfigError, StoreError, StoreTimeout, Unsupported
+from ..errors import CacheError, ConfigError, StoreError, Unsupported
+from .credentials import Credential
 
 __all__ = [
-    "CREDENTIALS_ENV_PREFIX",
     "DEFAULT_CONNECT_TIMEOUT",
     "DEFAULT_TIMEOUT",
     "NOT_READ",
+    "AnsweredAtSend",
     "BaseClient",
-    "BlockingGetConnection",
+    "ConsumerConnection",
     "ConsumerReads",
-    "Credential",
+    "NodeName",
     "ReadResult",
+    "SimpleStore",
     "WriteResult",
+    "read_one_node",
+    "write_one_node",
 ]
 
 DEFAULT_TIMEOUT = 1.0
@@ -65,6 +47,11 @@ DEFAULT_MAX_BATCH = 256
 
 StateT = TypeVar("StateT")
 T = TypeVar("T")
+
+#: A node of a store, by name: ``host:port`` of a pool member or cluster primary, the
+#: URL (password masked) of a single server. Failures are counted, and backed off, per
+#: node: by the cache's failure policy, under this name.
+NodeName = NewType("NodeName", str)
 
 
 class NOT_READ(Sentinel, metaclass=Sentinel):
@@ -81,8 +68,8 @@ class ReadResult:
     what failed, who answered, and how many keys were skipped (node backing off)."""
 
     values: list[Any]
-    failures: dict[str, StoreError] = field(default_factory=dict)
-    answered: list[str] = field(default_factory=list)
+    failures: dict[NodeName, StoreError] = field(default_factory=dict)
+    answered: list[NodeName] = field(default_factory=list)
     skipped: int = 0
 
 
@@ -92,33 +79,97 @@ class WriteResult:
     store refused (``StoreRejected``), who answered, and the keys written."""
 
     written: int = 0
-    failures: dict[str, StoreError] = field(default_factory=dict)
+    failures: dict[NodeName, StoreError] = field(default_factory=dict)
     failed_keys: int = 0
     rejected: dict[bytes, StoreError] = field(default_factory=dict)
-    answered: list[str] = field(default_factory=list)
+    answered: list[NodeName] = field(default_factory=list)
     skipped: int = 0
 
 
-class BlockingGetConnection(Protocol):
-    """A pipelined multi-get connection the consumer thread drives itself (no event loop).
+# -- the consumer side: connections a consumer thread drives itself -----------------------
+class ConsumerConnection(ABC):
+    """A pipelined multi-get connection of one node, driven by one consumer thread.
 
-    Requests are answered in order. Every request has a deadline (``timeout`` after it
-    was sent): past it :meth:`receive` raises ``StoreTimeout`` and the connection is
-    closed, so a stuck or trickling server costs at most one timeout.
+    Requests are answered in order, one reply (a value per key) per :meth:`send_get`.
+    Every request has a deadline (``timeout`` after it was sent): past it
+    :meth:`receive` raises ``StoreTimeout`` and the connection is closed, so a stuck or
+    trickling server costs at most one timeout. Any failure closes the connection with
+    everything queued on it: no reply is ever matched to another request.
     """
 
-    node: str
+    #: the node this connection reads from (failures are counted under it)
+    node: NodeName
 
+    @abstractmethod
     def send_get(self, keys: Sequence[bytes]) -> None:
         """Queue one multi-get; raises StoreError (the connection is then closed)."""
 
+    @abstractmethod
     def poll(self, limit: int | None = None) -> list[list[Any]]:
         """Every reply that has fully arrived (at most ``limit``), without blocking."""
 
+    @abstractmethod
     def receive(self) -> list[Any]:
         """The next reply, waiting at most until the oldest request's deadline."""
 
-    def close(self) -> None: ...
+    @abstractmethod
+    def close(self) -> None:
+        """Drop every request and reply queued; the next request reconnects."""
+
+    def extend_deadlines(self, at_least: float) -> None:
+        """Give every pending request until ``at_least`` (``time.monotonic()``): the
+        consumer was away while the replies waited. Nothing in flight: nothing to do."""
+        return None
+
+
+class AnsweredAtSend(ConsumerConnection):
+    """A "connection" that reads each request at once, in the caller's thread, and queues
+    the reply (a local file, or keys sent through another path): nothing is ever in
+    flight, so nothing can time out. Subclasses implement :meth:`read`."""
+
+    def __init__(self) -> None:
+        self.replies: collections.deque[list[Any]] = collections.deque()
+
+    @abstractmethod
+    def read(self, keys: Sequence[bytes]) -> list[Any]:
+        """The values of ``keys``, now; raises StoreError."""
+
+    def send_get(self, keys: Sequence[bytes]) -> None:
+        """Read ``keys`` and queue the reply. A failure drops the replies held, like a
+        broken socket (the caller counts their requests as lost; keeping them would hand
+        them to later requests)."""
+        try:
+            values = self.read(keys)
+        except CacheError:
+            self.replies.clear()
+            raise
+        except Exception as exc:  # a bug (here or in a subclass) must not stop training
+            self.replies.clear()
+            raise StoreError(f"{self.node}: reading raised {type(exc).__name__}: "
+                             f"{exc}") from exc
+        self.replies.append(values)
+
+    def poll(self, limit: int | None = None) -> list[list[Any]]:
+        replies = self.replies
+        n = len(replies) if limit is None else min(limit, len(replies))
+        return [replies.popleft() for _ in range(n)]
+
+    def receive(self) -> list[Any]:
+        if not self.replies:
+            raise StoreError("receive() with no request pending (asynccache bug)")
+        return self.replies.popleft()
+
+    def close(self) -> None:
+        self.replies.clear()
+
+
+#: ``route(keys)`` -> ``[(connection index, positions of its keys)]``
+Route = Callable[[Sequence[bytes]], list[tuple[int, list[int]]]]
+
+
+def single_node(keys: Sequence[bytes]) -> list[tuple[int, list[int]]]:
+    """The route of a store with one connection: every key to it."""
+    return [(0, list(range(len(keys))))]
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,104 +177,19 @@ class ConsumerReads:
     """What a store offers for reads on the consumer's own sockets: its connections (one
     per node) and ``route(keys)`` → ``[(connection index, positions of keys)]``."""
 
-    connections: list[BlockingGetConnection]
-    route: Callable[[Sequence[bytes]], list[tuple[int, list[int]]]]
+    connections: Sequence[ConsumerConnection]
+    route: Route = single_node
     #: how many nodes a batch is spread over: read-ahead holds ``prefetch`` items per
     #: node, so that each node's requests stay as large as one server's would be
     fanout: int = 1
-
-
-# -- credentials: out of the client, its pickles and its reprs -------------------------------
-#: A client created with a password exports it once, as ``CREDENTIALS_ENV_PREFIX +
-#: fingerprint``, so that spawn/forkserver children (fresh interpreters, empty vault)
-#: find it when they unpickle the client.
-CREDENTIALS_ENV_PREFIX = "ASYNCCACHE_CREDENTIALS_"
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-#: fingerprint -> password, for this process (a forked child inherits it)
-_vault: dict[str, str] = {}
-_vault_lock = threading.Lock()
-
-
-@dataclass(frozen=True)
-class Credential:
-    """Where a client's password is, never the password: pickled with the client.
-
-    Either ``fingerprint`` (the password is in this process' vault, or in the variable
-    ``CREDENTIALS_ENV_PREFIX + fingerprint`` that the creating process exported) or
-    ``env`` (the user's own variable, ``password_env``; nothing is exported).
-    """
-
-    fingerprint: str | None = None
-    env: str | None = None
-
-    @classmethod
-    def keep(cls, where: str, password: str | None, password_env: str | None
-             ) -> Credential | None:
-        """Put ``password`` in the vault (and the environment) under a fingerprint of
-        ``where``, the URL without secrets; or check that ``password_env`` is set."""
-        if password_env is not None:
-            if password is not None:
-                raise ConfigError(f"{where}: give the password in the URL or through "
-                                  "password_env, not both")
-            if not _ENV_NAME.fullmatch(password_env):
-                raise ConfigError(f"password_env={password_env!r} is not an environment "
-                                  "variable name")
-            if password_env not in os.environ:
-                raise ConfigError(f"password_env={password_env}: that environment variable "
-                                  f"is not set (it holds the password for {where})")
-            return cls(env=password_env)
-        if password is None:
-            return None
-        base = hashlib.sha256(where.encode()).hexdigest()[:16]
-        with _vault_lock:
-            # another password for the same URL (say, a wrong one in a test) gets a slot
-            # of its own rather than replacing the first one's
-            for n in itertools.count():
-                fingerprint = base if n == 0 else f"{base}_{n}"
-                name = CREDENTIALS_ENV_PREFIX + fingerprint
-                held = _vault.get(fingerprint, os.environ.get(name))
-                if held is None or held == password:
-                    _vault[fingerprint] = password
-                    if os.environ.get(name) != password:
-                        os.environ[name] = password
-                    return cls(fingerprint=fingerprint)
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def resolve(self, where: str) -> str:
-        """The password, in this process; ConfigError saying how to provide it when this
-        process cannot know it (a client unpickled from a checkpoint elsewhere)."""
-        if self.env is not None:
-            value = os.environ.get(self.env)
-            if value is None:
-                raise ConfigError(
-                    f"the password for {where} is read from the environment variable "
-                    f"{self.env} (password_env), which is not set in this process "
-                    f"(pid {os.getpid()}): set it wherever the client is used")
-            return value
-        assert self.fingerprint is not None
-        value = _vault.get(self.fingerprint)
-        if value is None:
-            name = CREDENTIALS_ENV_PREFIX + self.fingerprint
-            value = os.environ.get(name)
-            if value is None:
-                raise ConfigError(
-                    f"the password for {where} is not known in this process (pid "
-                    f"{os.getpid()}): a pickled client carries no password, and this "
-                    f"process did not inherit {name} from the one that created the client "
-                    "(e.g. it was loaded from a checkpoint, or started by a forkserver "
-                    "that was already running). Keep the password in an environment "
-                    "variable set in every process and pass password_env='THAT_VARIABLE' "
-                    f"to connect() (or ?password_env= in the URL), or set {name} here")
-            with _vault_lock:
-                _vault[self.fingerprint] = value
-        return value
 
 
 class BaseClient(ABC, Generic[StateT]):
     """Common configuration, lazy per-loop state, pickling and timeouts.
 
     Subclasses implement ``_open_state`` (build the library client for the running loop,
-    without network I/O), ``_close_state`` and the four operations.
+    without network I/O), ``_close_state``, ``read``, ``write``, ``delete_many`` and
+    ``ping``.
     """
 
     scheme: ClassVar[str]
@@ -319,16 +285,6 @@ class BaseClient(ABC, Generic[StateT]):
         self._users.pop(loop, None)
         await self.close()
 
-    async def _bounded(self, awaitable: Awaitable[T], what: str) -> T:
-        """Await with the client's timeout, translating the timeout to StoreTimeout."""
-        try:
-            return await asyncio.wait_for(awaitable, self.timeout)
-        except asyncio.TimeoutError as exc:
-            raise StoreTimeout(
-                f"{self.scheme} store did not answer {what} within {self.timeout:g}s "
-                f"({self.safe_url}); raise `timeout=` in connect() if the store is just slow"
-            ) from exc
-
     # -- pickling: configuration only -------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -350,14 +306,42 @@ class BaseClient(ABC, Generic[StateT]):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.safe_url!r})"
 
-    # -- operations ---------------------------------------------------------------------------
-    @abstractmethod
-    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        """Values for ``keys`` in the same order, ``None`` where missing."""
+    # -- what the core calls: per-node results, never raising for store trouble ----------
+    @property
+    def node_names(self) -> tuple[NodeName, ...]:
+        """The nodes failures are tracked for; one (the URL) for a single server."""
+        return (NodeName(self.safe_url),)
 
     @abstractmethod
+    async def read(self, keys: Sequence[bytes], skip: Collection[NodeName] = ()) -> ReadResult:
+        """Values for ``keys``; failures reported per node, never raised; the keys of the
+        nodes in ``skip`` (backing off) are not asked for (``NOT_READ``)."""
+
+    @abstractmethod
+    async def write(self, entries: Mapping[bytes, bytes], ttl: float | None = None,
+                    skip: Collection[NodeName] = ()) -> WriteResult:
+        """Store ``entries``; failures reported per node (and per refused key)."""
+
+    def consumer_reads(self) -> ConsumerReads | None:
+        """Connections the consumer thread can drive itself (read-ahead without a thread
+        hop), or None when this store's reads go through the event loop."""
+        return None
+
+    # -- all or nothing: what the command line, tests and simple callers use -------------
+    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Values for ``keys`` in the same order, ``None`` where missing; raises the
+        first node's failure."""
+        result = await self.read(keys)
+        for error in result.failures.values():
+            raise error
+        return result.values  # type: ignore[no-any-return]
+
     async def set_many(self, mapping: Mapping[bytes, bytes], ttl: float | None = None) -> None:
-        """Store every pair; ``ttl`` in seconds (``None``: no expiry)."""
+        """Store every pair; ``ttl`` in seconds (``None``: no expiry); raises the first
+        failure or refusal."""
+        result = await self.write(mapping, ttl)
+        for error in (*result.failures.values(), *result.rejected.values()):
+            raise error
 
     @abstractmethod
     async def delete_many(self, keys: Sequence[bytes]) -> None:
@@ -366,6 +350,18 @@ class BaseClient(ABC, Generic[StateT]):
     @abstractmethod
     async def ping(self) -> None:
         """Round trip to every server; raises StoreError when one does not answer."""
+
+    async def add_many(self, entries: Mapping[bytes, bytes], ttl: float) -> list[bool]:
+        """Store each pair only where the key is absent, expiring after ``ttl`` seconds;
+        True where stored. What ``lease=`` is built on (Redis ``SET NX PX``, memcached
+        ``add``); a store without it cannot take leases."""
+        raise NotImplementedError(f"{type(self).__name__} has no add_many (set if absent)")
+
+    async def get(self, key: bytes) -> bytes | None:
+        return (await self.get_many([key]))[0]
+
+    async def set(self, key: bytes, value: bytes, ttl: float | None = None) -> None:
+        await self.set_many({key: value}, ttl)
 
     # -- administration: what the command line (ping, stats, flush, warm) calls --------
     # Not on the data path. A provider may leave scan() as is: stats and flush then say
@@ -402,59 +398,67 @@ class BaseClient(ABC, Generic[StateT]):
         return [len(value) or None if value is not None else None
                 for value in await self.get_many(keys)]
 
-    # -- what the core calls: per-node results, never raising for store trouble -------
-    @property
-    def node_names(self) -> tuple[str, ...]:
-        """The nodes failures are tracked for; one (the URL) for a single server."""
-        return (self.safe_url,)
 
-    async def read(self, keys: Sequence[bytes], skip: Collection[str] = ()) -> ReadResult:
-        """Values for ``keys``; failures reported per node, never raised."""
-        node = self.node_names[0]
-        if node in skip:
-            return ReadResult([NOT_READ] * len(keys), skipped=len(keys))
-        try:
-            values: list[Any] = list(await self.get_many(keys))
-        except StoreError as exc:
-            return ReadResult([NOT_READ] * len(keys), failures={node: exc})
-        except ConfigError:  # e.g. no password in this process: for the user to fix
-            raise
-        except Exception as exc:  # a provider bug must not stop training either
-            return ReadResult([NOT_READ] * len(keys), failures={node: _foreign(self, exc)})
-        return ReadResult(values, answered=[node])
+class SimpleStore(BaseClient[StateT]):
+    """A store that is one node and answers all or nothing: it implements ``get_many``
+    and ``set_many``; ``read`` and ``write`` adapt them (:func:`read_one_node`,
+    :func:`write_one_node`). The base of :class:`~asynccache.Provider`."""
+
+    @abstractmethod
+    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Values for ``keys`` in the same order, ``None`` where missing."""
+
+    @abstractmethod
+    async def set_many(self, mapping: Mapping[bytes, bytes], ttl: float | None = None) -> None:
+        """Store every pair; ``ttl`` in seconds (``None``: no expiry)."""
+
+    async def read(self, keys: Sequence[bytes], skip: Collection[NodeName] = ()) -> ReadResult:
+        return await read_one_node(self, self.get_many, keys, skip)
 
     async def write(self, entries: Mapping[bytes, bytes], ttl: float | None = None,
-                    skip: Collection[str] = ()) -> WriteResult:
-        """Store ``entries``; failures reported per node (and per refused key)."""
-        node = self.node_names[0]
-        if node in skip:
-            return WriteResult(skipped=len(entries))
-        try:
-            await self.set_many(entries, ttl)
-        except StoreError as exc:
-            return WriteResult(failures={node: exc}, failed_keys=len(entries))
-        except ConfigError:
-            raise
-        except Exception as exc:
-            return WriteResult(failures={node: _foreign(self, exc)}, failed_keys=len(entries))
-        return WriteResult(written=len(entries), answered=[node])
+                    skip: Collection[NodeName] = ()) -> WriteResult:
+        return await write_one_node(self, self.set_many, entries, ttl, skip)
 
-    def consumer_reads(self) -> ConsumerReads | None:
-        """Connections the consumer thread can drive itself (read-ahead without a thread
-        hop), or None when this store's reads go through the event loop."""
-        return None
 
-    async def add_many(self, entries: Mapping[bytes, bytes], ttl: float) -> list[bool]:
-        """Store each pair only where the key is absent, expiring after ``ttl`` seconds;
-        True where stored. What ``lease=`` is built on (Redis ``SET NX PX``, memcached
-        ``add``); a store without it cannot take leases."""
-        raise NotImplementedError(f"{type(self).__name__} has no add_many (set if absent)")
+# -- the one adapter: all-or-nothing operations as per-node results ----------------------
+async def read_one_node(client: BaseClient[Any],
+                        get_many: Callable[[Sequence[bytes]], Awaitable[list[bytes | None]]],
+                        keys: Sequence[bytes], skip: Collection[NodeName]) -> ReadResult:
+    """``get_many(keys)`` of a one-node store as a :class:`ReadResult`: its failure is
+    the node's (every key ``NOT_READ``), never raised; ConfigError (for the user to fix,
+    e.g. no password in this process) is."""
+    node = client.node_names[0]
+    if node in skip:
+        return ReadResult([NOT_READ] * len(keys), skipped=len(keys))
+    try:
+        values: list[Any] = list(await get_many(keys))
+    except StoreError as exc:
+        return ReadResult([NOT_READ] * len(keys), failures={node: exc})
+    except ConfigError:
+        raise
+    except Exception as exc:  # a provider bug must not stop training either
+        return ReadResult([NOT_READ] * len(keys), failures={node: _foreign(client, exc)})
+    return ReadResult(values, answered=[node])
 
-    async def get(self, key: bytes) -> bytes | None:
-        return (await self.get_many([key]))[0]
 
-    async def set(self, key: bytes, value: bytes, ttl: float | None = None) -> None:
-        await self.set_many({key: value}, ttl)
+async def write_one_node(client: BaseClient[Any],
+                         set_many: Callable[[Mapping[bytes, bytes], float | None],
+                                            Awaitable[None]],
+                         entries: Mapping[bytes, bytes], ttl: float | None,
+                         skip: Collection[NodeName]) -> WriteResult:
+    """``set_many(entries, ttl)`` of a one-node store as a :class:`WriteResult`."""
+    node = client.node_names[0]
+    if node in skip:
+        return WriteResult(skipped=len(entries))
+    try:
+        await set_many(entries, ttl)
+    except StoreError as exc:
+        return WriteResult(failures={node: exc}, failed_keys=len(entries))
+    except ConfigError:
+        raise
+    except Exception as exc:
+        return WriteResult(failures={node: _foreign(client, exc)}, failed_keys=len(entries))
+    return WriteResult(written=len(entries), answered=[node])
 
 
 def _foreign(client: BaseClient[Any], exc: Exception) -> StoreError:

@@ -9,14 +9,14 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 
-from .api import BaseClient
+from .api import SimpleStore
 
 __all__ = ["MemoryClient"]
 
 _STORES: dict[str, dict[bytes, tuple[bytes, float | None]]] = {}
 
 
-class MemoryClient(BaseClient[None]):
+class MemoryClient(SimpleStore[None]):
     """A dict behind the async client interface, with TTLs and an optional size limit."""
 
     scheme = "memory"

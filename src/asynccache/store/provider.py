@@ -82,8 +82,8 @@ from .api import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_MAX_BATCH,
     DEFAULT_TIMEOUT,
-    BaseClient,
     ConsumerReads,
+    SimpleStore,
 )
 from .credentials import mask_url, query_of
 
@@ -116,7 +116,7 @@ def _mask_password(url: str) -> str:
     return mask_url(url)  # as connect() finds the password: any character may be in it
 
 
-class Provider(BaseClient[_Held]):
+class Provider(SimpleStore[_Held]):
     """Base class for third-party stores: subclass, implement, ``register_scheme``.
 
     ``url`` is the URL the provider was built from (kept for ``repr`` and logs, with

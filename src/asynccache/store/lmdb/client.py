@@ -74,7 +74,6 @@ helps when the cache is much larger than RAM and read at random), ``max_spare_tx
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import contextlib
 import mmap
@@ -99,7 +98,7 @@ from ...errors import (
     StoreRejected,
     StoreUnavailable,
 )
-from ..api import ConsumerReads, WriteResult
+from ..api import AnsweredAtSend, ConsumerReads, NodeName, WriteResult
 from ..provider import Provider
 
 try:
@@ -576,7 +575,7 @@ class LmdbClient(Provider):
 
     def consumer_reads(self) -> ConsumerReads:
         """Read-ahead as read transactions on the consumer's own thread."""
-        return ConsumerReads([_ConsumerConnection(self)], _single_node)
+        return ConsumerReads([_ConsumerConnection(self)])
 
     # -- writes: one transaction each, on this process' writer thread -------------------
     async def _write(self, fn: Callable[[Any], T], what: str) -> T:
@@ -603,7 +602,7 @@ class LmdbClient(Provider):
         await self._write(put, "write")
 
     async def write(self, entries: Mapping[bytes, bytes], ttl: float | None = None,
-                    skip: Collection[str] = ()) -> WriteResult:
+                    skip: Collection[NodeName] = ()) -> WriteResult:
         """One transaction for the batch; when the map is full, one per key, so that the
         values that still fit are written and only the others are rejected."""
         result = await super().write(entries, ttl, skip)
@@ -747,42 +746,16 @@ class LmdbClient(Provider):
         return StoreError(f"LMDB {where} failed to {what}: {type(exc).__name__}: {exc}")
 
 
-class _ConsumerConnection:
-    """The consumer-side "connection": each request is read at once, in the caller's
-    thread, and its reply queued; nothing is ever in flight, so nothing can time out."""
+class _ConsumerConnection(AnsweredAtSend):
+    """The consumer side: each request is a read transaction in the caller's thread."""
 
     def __init__(self, client: LmdbClient) -> None:
+        super().__init__()
         self.client = client
         self.node = client.node_names[0]
-        self.replies: collections.deque[list[Any]] = collections.deque()
 
-    def send_get(self, keys: Sequence[bytes]) -> None:
-        """Read ``keys`` and queue the reply. A failure closes this "connection" like a
-        broken socket: the replies it held are dropped with it (the caller counts their
-        requests as lost; keeping them would hand them to later requests)."""
-        try:
-            values = self.client.read_now(keys)
-        except CacheError:
-            self.replies.clear()
-            raise
-        except Exception as exc:  # a bug (here or in a subclass) must not stop training
-            self.replies.clear()
-            raise StoreError(f"{self.node}: reading raised {type(exc).__name__}: "
-                             f"{exc}") from exc
-        self.replies.append(values)
-
-    def poll(self, limit: int | None = None) -> list[list[Any]]:
-        replies = self.replies
-        n = len(replies) if limit is None else min(limit, len(replies))
-        return [replies.popleft() for _ in range(n)]
-
-    def receive(self) -> list[Any]:
-        if not self.replies:
-            raise StoreError("receive() with no request pending (asynccache bug)")
-        return self.replies.popleft()
-
-    def close(self) -> None:
-        self.replies.clear()
+    def read(self, keys: Sequence[bytes]) -> list[Any]:
+        return self.client.read_now(keys)
 
 
 def _human(size: int) -> str:
@@ -790,10 +763,6 @@ def _human(size: int) -> str:
         if size >= scale:
             return f"{size / scale:.4g}{unit}"
     return f"{size}B"
-
-
-def _single_node(keys: Sequence[bytes]) -> list[tuple[int, list[int]]]:
-    return [(0, list(range(len(keys))))]
 
 
 def _payload_size(stored: Any) -> int:

@@ -48,8 +48,9 @@ from ...errors import StoreError, StoreRejected, StoreUnavailable
 from ..api import (
     NOT_READ,
     BaseClient,
-    BlockingGetConnection,
+    ConsumerConnection,
     ConsumerReads,
+    NodeName,
     ReadResult,
     WriteResult,
     chunked,
@@ -307,7 +308,7 @@ class MemcachedClient(BaseClient[_MemcachedState]):
 
     def consumer_reads(self) -> ConsumerReads:
         """One blocking connection per server for read-ahead on the consumer's thread."""
-        connections: list[BlockingGetConnection] = [
+        connections: list[ConsumerConnection] = [
             BlockingMemcachedConnection(host, port, timeout=self.timeout,
                                         connect_timeout=self.connect_timeout,
                                         max_value=2 * self.item_size, max_batch=self.max_batch,
@@ -323,7 +324,7 @@ class MemcachedClient(BaseClient[_MemcachedState]):
         return list(groups.items())
 
     # -- what the core calls: per-node results ---------------------------------------
-    async def read(self, keys: Sequence[bytes], skip: Collection[str] = ()) -> ReadResult:
+    async def read(self, keys: Sequence[bytes], skip: Collection[NodeName] = ()) -> ReadResult:
         values: list[Any] = [NOT_READ] * len(keys)
         result = ReadResult(values)
         if not keys:
@@ -386,7 +387,7 @@ class MemcachedClient(BaseClient[_MemcachedState]):
         return None
 
     async def write(self, entries: Mapping[bytes, bytes], ttl: float | None = None,
-                    skip: Collection[str] = ()) -> WriteResult:
+                    skip: Collection[NodeName] = ()) -> WriteResult:
         result = WriteResult()
         if not entries:
             return result
@@ -421,17 +422,6 @@ class MemcachedClient(BaseClient[_MemcachedState]):
         return result
 
     # -- all or nothing -------------------------------------------------------------------
-    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        result = await self.read(keys)
-        for error in result.failures.values():
-            raise error
-        return result.values
-
-    async def set_many(self, mapping: Mapping[bytes, bytes], ttl: float | None = None) -> None:
-        result = await self.write(mapping, ttl)
-        for error in (*result.failures.values(), *result.rejected.values()):
-            raise error
-
     async def delete_many(self, keys: Sequence[bytes]) -> None:
         if not keys:
             return

@@ -35,7 +35,7 @@ import time
 from collections.abc import Sequence
 
 from ...errors import StoreError, StoreTimeout, StoreUnavailable
-from ..api import chunked
+from ..api import ConsumerConnection, chunked
 from ..protocol.memcache import (
     ProtocolViolation,
     ReplyParser,
@@ -97,7 +97,7 @@ class _Get:
         return [found[key] for key in self.asked]
 
 
-class BlockingMemcachedConnection:
+class BlockingMemcachedConnection(ConsumerConnection):
     """One socket to one memcached server, many multi-gets in flight, replies in order."""
 
     def __init__(self, host: str, port: int, *, timeout: float, connect_timeout: float,

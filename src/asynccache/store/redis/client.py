@@ -21,7 +21,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import ConfigError, StoreError, StoreRejected
-from ..api import BaseClient, ConsumerReads, Credential, WriteResult, chunked
+from ..api import (
+    BaseClient,
+    ConsumerReads,
+    NodeName,
+    ReadResult,
+    WriteResult,
+    chunked,
+    read_one_node,
+)
+from ..credentials import Credential
 from ..protocol.resp import (
     PING,
     explain_rejection,
@@ -42,10 +51,6 @@ __all__ = ["RedisClient"]
 class _RedisState:
     reads: RespConnection
     writes: RespConnection
-
-
-def _single_node(keys: Sequence[bytes]) -> list[tuple[int, list[int]]]:
-    return [(0, list(range(len(keys))))]
 
 
 class RedisClient(BaseClient[_RedisState]):
@@ -117,17 +122,20 @@ class RedisClient(BaseClient[_RedisState]):
 
     def consumer_reads(self) -> ConsumerReads:
         """Read-ahead on the consumer's own socket (TCP, TLS or unix socket)."""
-        return ConsumerReads([BlockingRespConnection(self.endpoint(), self.node_names[0])],
-                             _single_node)
+        return ConsumerReads([BlockingRespConnection(self.endpoint(), self.node_names[0])])
 
     # -- operations ---------------------------------------------------------------------
-    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    async def read(self, keys: Sequence[bytes], skip: Collection[NodeName] = ()) -> ReadResult:
+        """One pipelined ``MGET`` per ``max_batch`` keys; all or nothing (one node)."""
+        return await read_one_node(self, self._mget, keys, skip)
+
+    async def _mget(self, keys: Sequence[bytes]) -> list[bytes | None]:
         if not keys:
             return []
         return await self._state().reads.mget(chunked(keys, self.max_batch))
 
     async def write(self, entries: Mapping[bytes, bytes], ttl: float | None = None,
-                    skip: Collection[str] = ()) -> WriteResult:
+                    skip: Collection[NodeName] = ()) -> WriteResult:
         node = self.node_names[0]
         if node in skip:
             return WriteResult(skipped=len(entries))
@@ -148,11 +156,6 @@ class RedisClient(BaseClient[_RedisState]):
             else:
                 result.written += 1
         return result
-
-    async def set_many(self, mapping: Mapping[bytes, bytes], ttl: float | None = None) -> None:
-        result = await self.write(mapping, ttl)
-        for error in (*result.failures.values(), *result.rejected.values()):
-            raise error
 
     async def delete_many(self, keys: Sequence[bytes]) -> None:
         if not keys:

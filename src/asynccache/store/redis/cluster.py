@@ -49,13 +49,14 @@ from ...errors import CacheError, StoreError, StoreRejected, StoreTimeout, Store
 from ..api import (
     NOT_READ,
     BaseClient,
-    BlockingGetConnection,
+    ConsumerConnection,
     ConsumerReads,
-    Credential,
+    NodeName,
     ReadResult,
     WriteResult,
     chunked,
 )
+from ..credentials import Credential
 from ..loop import LoopThread, get_loop_thread
 from ..protocol.resp import (
     PING,
@@ -181,7 +182,7 @@ class _Call(ABC):
     """
 
     def __init__(self, client: RedisClusterClient, state: _ClusterState,
-                 skip: Collection[str]) -> None:
+                 skip: Collection[NodeName]) -> None:
         self.client = client
         self.state = state
         self.skip = skip
@@ -308,7 +309,7 @@ class _Read(_Call):
     error replies become :class:`_Command` s, for the redirection and failure logic."""
 
     def __init__(self, client: RedisClusterClient, state: _ClusterState,
-                 skip: Collection[str], n: int) -> None:
+                 skip: Collection[NodeName], n: int) -> None:
         super().__init__(client, state, skip)
         self.values: list[Any] = [NOT_READ] * n
 
@@ -425,7 +426,7 @@ class _Read(_Call):
 
 class _Write(_Call):
     def __init__(self, client: RedisClusterClient, state: _ClusterState,
-                 skip: Collection[str], items: Sequence[tuple[bytes, bytes]]) -> None:
+                 skip: Collection[NodeName], items: Sequence[tuple[bytes, bytes]]) -> None:
         super().__init__(client, state, skip)
         self.items = items
         self.written = 0
@@ -710,7 +711,7 @@ class RedisClusterClient(BaseClient[_ClusterState]):
         return commands
 
     # -- what the core calls ------------------------------------------------------------
-    async def read(self, keys: Sequence[bytes], skip: Collection[str] = ()) -> ReadResult:
+    async def read(self, keys: Sequence[bytes], skip: Collection[NodeName] = ()) -> ReadResult:
         if self.safe_url in skip:
             return ReadResult([NOT_READ] * len(keys), skipped=len(keys))
         try:
@@ -723,7 +724,7 @@ class RedisClusterClient(BaseClient[_ClusterState]):
         return ReadResult(call.values, call.failures, call.answered, call.skipped)
 
     async def write(self, entries: Mapping[bytes, bytes], ttl: float | None = None,
-                    skip: Collection[str] = ()) -> WriteResult:
+                    skip: Collection[NodeName] = ()) -> WriteResult:
         if self.safe_url in skip:
             return WriteResult(skipped=len(entries))
         try:
@@ -740,17 +741,6 @@ class RedisClusterClient(BaseClient[_ClusterState]):
                            call.answered, call.skipped)
 
     # -- all or nothing -----------------------------------------------------------------
-    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        result = await self.read(keys)
-        for error in result.failures.values():
-            raise error
-        return result.values
-
-    async def set_many(self, mapping: Mapping[bytes, bytes], ttl: float | None = None) -> None:
-        result = await self.write(mapping, ttl)
-        for error in (*result.failures.values(), *result.rejected.values()):
-            raise error
-
     async def delete_many(self, keys: Sequence[bytes]) -> None:
         if not keys:
             return
@@ -847,7 +837,7 @@ class _ConsumerRoutes:
         self.client = client
         self.loop = loop
         capacity = 2 * max(len(client.node_names), 3)
-        self.conns: list[BlockingGetConnection] = [
+        self.conns: list[ConsumerConnection] = [
             BlockingClusterConnection(None, f"(spare {i})", self.trouble)
             for i in range(capacity)]
         self.unserved = capacity

@@ -32,6 +32,7 @@ from typing import Any
 import hiredis
 
 from ...errors import StoreError, StoreTimeout, StoreUnavailable
+from ..api import AnsweredAtSend, NodeName
 from ..protocol.resp import cluster_node_error, pack_gets, unexpected_reply
 from ..transport.endpoint import RedisEndpoint, readable_while_idle
 from .reads import BlockingRespConnection
@@ -192,7 +193,7 @@ class BlockingClusterConnection(BlockingRespConnection):
         self._got = []
 
 
-class UnservedKeys:
+class UnservedKeys(AnsweredAtSend):
     """Where the routing sends keys it has no connection for: no map was read yet, a
     slot no node serves, a node that joined when no spare connection was left. Rare, so
     these go through the asyncio path on the loop thread, which reads (or re-reads) the
@@ -204,27 +205,13 @@ class UnservedKeys:
 
     def __init__(self, name: Callable[[], str],
                  read: Callable[[Sequence[bytes]], list[Any]]) -> None:
+        super().__init__()
         self.name = name
-        self.read = read
-        self.replies: collections.deque[list[Any]] = collections.deque()
-        self.pending: tuple[()] = ()  # nothing on a wire: the read is done in send_get
+        self._read = read
 
-    @property
-    def node(self) -> str:
-        return self.name()
+    @property  # type: ignore[override]
+    def node(self) -> NodeName:
+        return NodeName(self.name())
 
-    def send_get(self, keys: Sequence[bytes]) -> None:
-        self.replies.append(self.read(keys))
-
-    def poll(self, limit: int | None = None) -> list[list[Any]]:
-        replies = self.replies
-        n = len(replies) if limit is None else min(limit, len(replies))
-        return [replies.popleft() for _ in range(n)]
-
-    def receive(self) -> list[Any]:
-        if not self.replies:
-            raise StoreError("receive() with no request pending (asynccache bug)")
-        return self.replies.popleft()
-
-    def close(self) -> None:
-        self.replies.clear()
+    def read(self, keys: Sequence[bytes]) -> list[Any]:
+        return self._read(keys)

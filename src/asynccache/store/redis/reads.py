@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...errors import StoreError, StoreTimeout, StoreUnavailable
+from ..api import ConsumerConnection
 from ..protocol.resp import (
     check_mget_reply,
     new_parser,
@@ -91,7 +92,7 @@ class _Closed(Exception):
     """The peer closed the connection (or reset it) before a reply was complete."""
 
 
-class BlockingRespConnection:
+class BlockingRespConnection(ConsumerConnection):
     """One socket, many MGETs in flight, replies matched to requests in order."""
 
     def __init__(self, endpoint: RedisEndpoint, node: str | None = None) -> None:
