@@ -80,7 +80,7 @@ from .credentials import mask_url, split_userinfo
 from .memcached.client import MemcachedClient
 from .memory import MemoryClient
 from .redis.client import RedisClient
-from .transport.endpoint import TlsSettings
+from .transport.tls import TlsSettings
 
 __all__ = ["connect"]
 

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from urllib.parse import unquote_to_bytes
 
 from ...errors import StoreError, StoreTimeout, StoreUnavailable, Unsupported
-from ..transport.endpoint import TlsSettings, connect_failure
+from ..transport.endpoint import Endpoint
 
-__all__ = ["AdminRefused", "AdminTarget", "admin_lines", "metadump_keys", "settings"]
+__all__ = ["AdminRefused", "admin_lines", "metadump_keys", "settings"]
 
 #: Least seconds an admin command may wait for each line (a metadump of a large server
 #: streams for a while; the data path's timeout is meant for single round trips).
@@ -26,22 +25,7 @@ MIN_LINE_TIMEOUT = 5.0
 BUSY_RETRIES = 50
 
 
-@dataclass(frozen=True)
-class AdminTarget:
-    """One server, with the client's TLS settings and timeouts."""
-
-    host: str
-    port: int
-    tls: TlsSettings | None
-    timeout: float
-    connect_timeout: float
-
-    @property
-    def where(self) -> str:
-        return f"{self.host}:{self.port}"
-
-
-async def admin_lines(target: AdminTarget, command: bytes) -> AsyncIterator[bytes]:
+async def admin_lines(target: Endpoint, command: bytes) -> AsyncIterator[bytes]:
     """The lines memcached answers ``command`` with, up to (not including) ``END``; an
     error line raises StoreError (``BUSY ...`` included: the caller may retry)."""
     where, tls, what = target.where, target.tls, command.decode()
@@ -50,7 +34,7 @@ async def admin_lines(target: AdminTarget, command: bytes) -> AsyncIterator[byte
             target.host, target.port, ssl=None if tls is None else tls.context(),
             server_hostname=None if tls is None else target.host), target.connect_timeout)
     except (asyncio.TimeoutError, OSError) as exc:
-        raise connect_failure("memcached", where, exc, tls, target.connect_timeout) from exc
+        raise target.connect_failure(exc) from exc
     line_timeout = max(target.timeout, MIN_LINE_TIMEOUT)
     try:
         writer.write(command + b"\r\n")
@@ -86,7 +70,7 @@ class AdminRefused(StoreError):
 _REFUSALS = {b"ERROR", b"CLIENT_ERROR", b"SERVER_ERROR", b"BUSY"}
 
 
-async def settings(target: AdminTarget) -> dict[str, str]:
+async def settings(target: Endpoint) -> dict[str, str]:
     """``stats settings`` as ``{name: value}`` (``item_size_max`` is the ``-I``)."""
     found: dict[str, str] = {}
     async for line in admin_lines(target, b"stats settings"):
@@ -96,7 +80,7 @@ async def settings(target: AdminTarget) -> dict[str, str]:
     return found
 
 
-async def metadump_keys(target: AdminTarget) -> AsyncIterator[bytes]:
+async def metadump_keys(target: Endpoint) -> AsyncIterator[bytes]:
     """Every key the server holds (``lru_crawler metadump all``), decoded from the
     percent-encoding memcached lists them in. Retried while the crawler is busy."""
     for _attempt in range(BUSY_RETRIES):

@@ -35,7 +35,6 @@ duplicate keys, and raised one exception for a whole batch. Here:
 from __future__ import annotations
 
 import asyncio
-import collections
 import hashlib
 import itertools
 import math
@@ -44,7 +43,7 @@ from collections.abc import AsyncIterator, Awaitable, Collection, Iterator, Mapp
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ...errors import StoreError, StoreRejected, StoreUnavailable
+from ...errors import StoreError, StoreRejected
 from ..api import (
     NOT_READ,
     BaseClient,
@@ -59,15 +58,10 @@ from ..protocol.memcache import (
     STORED,
     VERSION,
     ErrorReply,
-    ProtocolViolation,
-    Reply,
-    ReplyParser,
     Request,
     explain_rejection,
     hashed_prefix,
     meta_size,
-    no_answer,
-    not_understood,
     pack_add,
     pack_delete,
     pack_exists,
@@ -76,10 +70,11 @@ from ..protocol.memcache import (
     pack_size,
     safe_memcached_key,
     safe_memcached_keys,
-    unexpected_reply,
 )
-from ..transport.endpoint import TlsSettings, close_transport, closed_hint, connect_failure
-from .admin import AdminTarget, metadump_keys, settings
+from ..transport.endpoint import Endpoint
+from ..transport.tls import TlsSettings
+from .admin import metadump_keys, settings
+from .connection import MemcachedConnection, memcached_endpoint
 from .reads import BlockingMemcachedConnection
 
 __all__ = ["MemcachedClient", "MemcachedConnection", "rendezvous_owner", "safe_memcached_key"]
@@ -100,142 +95,6 @@ def rendezvous_owner(key: bytes, nodes: Sequence[str]) -> int:
         if weight > best_weight:
             best, best_weight = index, weight
     return best
-
-
-class _Protocol(asyncio.Protocol):
-    def __init__(self, where: str, max_value: int, tls: TlsSettings | None = None) -> None:
-        self.where = where
-        self.tls = tls
-        self.parser = ReplyParser(max_value)
-        self.waiters: collections.deque[asyncio.Future[Reply]] = collections.deque()
-        self.transport: asyncio.Transport | None = None
-        self.failure: StoreError | None = None
-        self.replies = 0  # replies received so far on this connection
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        parser, waiters = self.parser, self.waiters
-        parser.feed(data)
-        try:
-            while (reply := parser.next()) is not None:
-                if isinstance(reply, ErrorReply) and not reply.in_sync:
-                    self.fail(not_understood(self.where, reply))
-                    return
-                self.replies += 1
-                fut = waiters.popleft()
-                if not fut.done():
-                    fut.set_result(reply)
-        except ProtocolViolation as exc:
-            self.fail(unexpected_reply(self.where, exc))
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        reason = f": {exc}" if exc else ""
-        hint = closed_hint(self.tls, fresh=not self.replies,
-                           tls_url=f"memcached://{self.where}?tls=true")
-        self.fail(StoreUnavailable(f"memcached connection to {self.where} was closed{reason}"
-                                   f"{hint}"))
-
-    def fail(self, error: StoreError) -> None:
-        """Fail every pending request and refuse new ones; close the transport."""
-        if self.failure is None:
-            self.failure = error
-        while self.waiters:
-            fut = self.waiters.popleft()
-            if not fut.done():
-                fut.set_exception(error)
-        if self.transport is not None:
-            close_transport(self.transport)
-
-
-class MemcachedConnection:
-    """One pipelined connection to one memcached server, opened lazily, in one loop."""
-
-    def __init__(self, host: str, port: int, *, timeout: float, connect_timeout: float,
-                 max_value: int, tls: TlsSettings | None = None) -> None:
-        self.host = host
-        self.port = port
-        self.where = f"{host}:{port}"
-        self.tls = tls
-        self.timeout = timeout
-        self.connect_timeout = connect_timeout
-        self.max_value = max_value
-        self._proto: _Protocol | None = None
-        self._connecting: asyncio.Future[_Protocol] | None = None
-
-    async def _connected(self) -> _Protocol:
-        proto = self._proto
-        if proto is not None and proto.failure is None:
-            return proto
-        if self._connecting is None:
-            self._connecting = asyncio.ensure_future(self._connect())
-        try:
-            return await asyncio.shield(self._connecting)
-        finally:
-            if self._connecting is not None and self._connecting.done():
-                self._connecting = None
-
-    async def _connect(self) -> _Protocol:
-        loop = asyncio.get_running_loop()
-        proto = _Protocol(self.where, self.max_value, self.tls)
-        tls = self.tls
-        try:
-            await asyncio.wait_for(loop.create_connection(
-                lambda: proto, self.host, self.port,
-                ssl=None if tls is None else tls.context(),
-                server_hostname=None if tls is None else self.host), self.connect_timeout)
-        except (asyncio.TimeoutError, OSError) as exc:  # ssl.SSLError is an OSError
-            raise connect_failure("memcached", self.where, exc, tls,
-                                  self.connect_timeout) from exc
-        self._proto = proto
-        return proto
-
-    async def _send(self, proto: _Protocol, requests: Sequence[Request]) -> list[Reply]:
-        """Write requests back to back and wait for their replies (one timer for all)."""
-        if proto.failure is not None:
-            raise proto.failure
-        loop = asyncio.get_running_loop()
-        futures = [loop.create_future() for _ in requests]
-        proto.waiters.extend(futures)
-        for request in requests:
-            proto.parser.expect(request)
-        proto.transport.writelines(  # type: ignore[union-attr]
-            itertools.chain.from_iterable(r.buffers for r in requests))
-        timer = loop.call_later(self.timeout, self._expire, proto)
-        try:
-            return [await fut for fut in futures]
-        except BaseException:
-            for fut in futures:  # consume the siblings' errors: nobody else awaits them
-                if fut.done() and not fut.cancelled():
-                    fut.exception()
-                else:
-                    fut.cancel()
-            raise
-        finally:
-            timer.cancel()
-
-    def _expire(self, proto: _Protocol) -> None:
-        proto.fail(no_answer(self.where, self.timeout))
-
-    async def execute(self, requests: Sequence[Request]) -> list[Reply]:
-        """Send every request pipelined; their replies in order (``SERVER_ERROR`` replies
-        included, as :class:`ErrorReply` values). Commands must be idempotent: one that
-        found an idle connection closed by the server is sent once more."""
-        proto = await self._connected()
-        idle, replies_before = not proto.waiters, proto.replies
-        try:
-            return await self._send(proto, requests)
-        except StoreUnavailable:
-            if not (idle and proto.replies == replies_before):
-                raise
-            # the server had closed the idle connection: once more on a fresh one
-            return await self._send(await self._connected(), requests)
-
-    def close(self) -> None:
-        if self._proto is not None and self._proto.transport is not None:
-            close_transport(self._proto.transport)
-        self._proto = None
 
 
 @dataclass
@@ -292,10 +151,12 @@ class MemcachedClient(BaseClient[_MemcachedState]):
             _Node(name, self._connection(host, port), self._connection(host, port))
             for name, (host, port) in zip(self._node_names, self.servers)])
 
+    def _endpoint(self, host: str, port: int) -> Endpoint:
+        return memcached_endpoint(host, port, tls=self.tls, timeout=self.timeout,
+                                  connect_timeout=self.connect_timeout)
+
     def _connection(self, host: str, port: int) -> MemcachedConnection:
-        return MemcachedConnection(host, port, timeout=self.timeout,
-                                   connect_timeout=self.connect_timeout,
-                                   max_value=2 * self.item_size, tls=self.tls)
+        return MemcachedConnection(self._endpoint(host, port), max_value=2 * self.item_size)
 
     async def _close_state(self, state: _MemcachedState) -> None:
         for node in state.nodes:
@@ -309,10 +170,8 @@ class MemcachedClient(BaseClient[_MemcachedState]):
     def consumer_reads(self) -> ConsumerReads:
         """One blocking connection per server for read-ahead on the consumer's thread."""
         connections: list[ConsumerConnection] = [
-            BlockingMemcachedConnection(host, port, timeout=self.timeout,
-                                        connect_timeout=self.connect_timeout,
-                                        max_value=2 * self.item_size, max_batch=self.max_batch,
-                                        tls=self.tls)
+            BlockingMemcachedConnection(self._endpoint(host, port), max_value=2 * self.item_size,
+                                        max_batch=self.max_batch)
             for host, port in self.servers]
         return ConsumerReads(connections, self._route, fanout=len(connections))
 
@@ -436,9 +295,8 @@ class MemcachedClient(BaseClient[_MemcachedState]):
         await _on_every_node([(node, [VERSION]) for node in self._state().nodes], "version")
 
     # -- administration -------------------------------------------------------------------
-    def _admin(self, index: int) -> AdminTarget:
-        host, port = self.servers[index]
-        return AdminTarget(host, port, self.tls, self.timeout, self.connect_timeout)
+    def _admin(self, index: int) -> Endpoint:
+        return self._endpoint(*self.servers[index])
 
     async def server_info(self) -> dict[str, Any]:
         """Per server: its ``version`` and ``item_size`` (``-I``, from ``stats settings``)."""

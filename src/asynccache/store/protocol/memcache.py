@@ -58,6 +58,8 @@ __all__ = [
 
 #: Longest reply line accepted (a ``VALUE`` line is at most ~300 bytes with a 250-byte key).
 MAX_LINE = 8192
+#: What a blocking connection receives into, per ``recv_into``.
+INBOX = 1 << 18
 
 STORED = b"STORED"
 NOT_FOUND = b"NOT_FOUND"
@@ -246,13 +248,14 @@ class ReplyParser:
     """Incremental parser of a pipelined stream of replies, checked against requests.
 
     Call :meth:`expect` with each request as it is sent, :meth:`feed` with whatever
-    bytes arrived, then :meth:`next` until it returns ``None`` (the next reply is not
-    complete yet). Raises :class:`ProtocolViolation` for anything that cannot be the
-    reply to the oldest request still waiting.
+    bytes arrived (or :meth:`buffer` / :meth:`received`), then :meth:`gets` until it
+    returns False (:meth:`next`: ``None``; the next reply is not complete yet). Raises
+    :class:`ProtocolViolation` for anything that cannot be the reply to the oldest
+    request still waiting.
     """
 
-    __slots__ = ("_avail", "_buf", "_chunks", "_cursor", "_expected", "_index", "_max_value",
-                 "_need", "_pos", "_values")
+    __slots__ = ("_avail", "_buf", "_chunks", "_cursor", "_expected", "_inbox", "_index",
+                 "_max_value", "_need", "_pos", "_values")
 
     def __init__(self, max_value: int) -> None:
         self._max_value = max_value
@@ -266,6 +269,7 @@ class ReplyParser:
         self._values: list[bytes | None] | None = None
         self._cursor = 0
         self._index: dict[bytes, int] | None = None
+        self._inbox: memoryview | None = None  # what a socket receives into (buffer())
 
     @property
     def waiting(self) -> int:
@@ -285,23 +289,40 @@ class ReplyParser:
             self._chunks.append(bytes(data))
             self._avail += len(data)
 
+    def buffer(self) -> memoryview:
+        """Where a socket receives the next bytes (reused: ``recv(n)`` would allocate
+        ``n`` bytes per call); then :meth:`received`."""
+        if self._inbox is None:
+            self._inbox = memoryview(bytearray(INBOX))
+        return self._inbox
+
+    def received(self, n: int) -> None:
+        assert self._inbox is not None
+        self.feed(self._inbox[:n])  # values are sliced out of bytes, not views
+
     def next(self) -> Reply | None:
         """The oldest request's reply if it has fully arrived, else ``None``."""
+        reply = self.gets()
+        return None if reply is False else reply
+
+    def gets(self) -> Reply | bool:
+        """The oldest request's reply if it has fully arrived, else False."""
         if not self._expected:
             if self._avail:
                 raise ProtocolViolation(f"{self._avail} bytes arrived that no request asked for")
-            return None
+            return False
         if self._avail < self._need:
-            return None
+            return False
         self._join()
         request = self._expected[0]
         reply = self._get_reply(request) if request.keys is not None \
             else self._line_reply(request.accepts)
-        if reply is not None:
-            self._expected.popleft()
-            self._need = 1
-            if self._pos == len(self._buf):  # do not keep a large reply's buffer alive
-                self._buf, self._pos = b"", 0
+        if reply is None:
+            return False
+        self._expected.popleft()
+        self._need = 1
+        if self._pos == len(self._buf):  # do not keep a large reply's buffer alive
+            self._buf, self._pos = b"", 0
         return reply
 
     # -- internals ----------------------------------------------------------------------

@@ -16,10 +16,10 @@ import hiredis
 from ...errors import StoreError, StoreUnavailable
 
 __all__ = [
+    "RespParser",
     "check_mget_reply",
     "cluster_node_error",
     "memcached_hint",
-    "new_parser",
     "no_permission",
     "pack_command",
     "pack_gets",
@@ -30,9 +30,37 @@ __all__ = [
 ]
 
 
-def new_parser() -> hiredis.Reader:
-    """A reply parser: ``feed(bytes)``, then ``gets()`` until it returns False."""
-    return hiredis.Reader()
+#: What a blocking connection receives into, per ``recv_into``.
+INBOX = 1 << 18
+
+
+class RespParser:
+    """hiredis' reply parser, fed either way: ``feed(bytes)`` (asyncio), or
+    ``buffer()`` / ``received(n)`` (a socket receives into a buffer reused for the
+    connection's life); then ``gets()`` until it returns False."""
+
+    __slots__ = ("_inbox", "_parser", "_view", "feed", "gets")
+
+    def __init__(self) -> None:
+        self._parser = hiredis.Reader()
+        self.feed = self._parser.feed
+        self.gets = self._parser.gets
+        self._inbox: bytearray | None = None
+        self._view: memoryview | None = None
+
+    def buffer(self) -> memoryview:
+        if self._view is None:
+            self._inbox = bytearray(INBOX)
+            self._view = memoryview(self._inbox)
+        return self._view
+
+    def received(self, n: int) -> None:
+        self._parser.feed(self._inbox, 0, n)
+
+    @property
+    def idle(self) -> bool:
+        """No byte waits to be parsed."""
+        return not self._parser.has_data()
 
 
 def pack_command(*args: bytes) -> bytes:

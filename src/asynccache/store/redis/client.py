@@ -39,9 +39,10 @@ from ..protocol.resp import (
     pack_set,
     pack_set_if_absent,
 )
-from ..transport.endpoint import RedisEndpoint, TlsSettings
+from ..transport.tls import TlsSettings
 from .admin import node_info, pack_exists, pack_strlen, scan_node, size_of
 from .connection import RespConnection
+from .endpoint import RedisEndpoint
 from .reads import BlockingRespConnection
 
 __all__ = ["RedisClient"]

@@ -72,10 +72,12 @@ from ..protocol.resp import (
     pack_set,
     pack_set_if_absent,
 )
-from ..transport.endpoint import RedisEndpoint, TlsSettings, connect_failure, ssl_error_in
+from ..transport.endpoint import connect_failure
+from ..transport.tls import TlsSettings, ssl_error_in
 from .admin import node_info, pack_exists, pack_strlen, scan_node, size_of
 from .cluster_reads import BlockingClusterConnection, UnservedKeys
 from .connection import Request, RespConnection
+from .endpoint import RedisEndpoint
 
 __all__ = ["RedisClusterClient"]
 

@@ -1,30 +1,19 @@
-"""Consumer-side reads on a Redis Cluster: pipelined ``GET`` s on one blocking socket per
-primary, driven by the consumer thread itself (see :mod:`asynccache.store.redis.reads` for
-why read-ahead runs there, and for deadlines, idle connections and TLS, all inherited).
+"""Read-ahead on a Redis Cluster: pipelined ``GET`` s on one consumer-thread socket per
+primary (the Redis connection on the blocking transport), and :class:`UnservedKeys` for
+keys no connection serves.
 
-A read-ahead request to a node is one ``GET`` per key, written back to back: a batch's
-keys sit in as many slots as there are keys, and a multi-key ``MGET`` must stay within
-one slot. The node's replies are gathered into one list per request (the same
-:class:`~asynccache.store.redis.reads.BlockingRespConnection` reader, hiredis), so the
-prefetcher sees one reply per node and per request, as from a single server.
-
-What the consumer never gets is a wrong value: a ``GET`` answered with ``MOVED``/``ASK``
-(the slot moved, or is moving), ``CLUSTERDOWN`` or another error fails the request like
-a broken connection does. The connection is closed and every request on its wire is not
-read (the prefetcher drops those keys and reads them again, directly, when the consumer
-asks for them; the failure is counted by the failure policy, and backs the node off
-only when the node cannot serve: ``CLUSTERDOWN``, a timeout, a refused connection). The
-``trouble`` callback tells the cluster client to re-read its slot map on the loop
-thread; the consumer's routing picks the new map up at its next request.
-
-Replies of earlier requests already parsed in the same :meth:`poll` are handed back
-first: the failure is raised by the next call, so only requests still on the wire are
-lost.
+A request to a node is one ``GET`` per key (a multi-key ``MGET`` must stay within one
+slot), and its replies are gathered into one list, so the prefetcher sees one reply per
+node and per request, as from a single server. A ``GET`` answered with ``MOVED``/``ASK``,
+``CLUSTERDOWN`` or another error fails the request like a broken connection: the
+connection is dropped with everything on its wire (those keys are read again, directly,
+when asked for), and ``trouble`` asks the loop thread to re-read the slot map. Replies
+already parsed in the same :meth:`~BlockingClusterConnection.poll` are handed back first;
+the failure is raised by the next call.
 """
 
 from __future__ import annotations
 
-import collections
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,7 +23,8 @@ import hiredis
 from ...errors import StoreError, StoreTimeout, StoreUnavailable
 from ..api import AnsweredAtSend, NodeName
 from ..protocol.resp import cluster_node_error, pack_gets, unexpected_reply
-from ..transport.endpoint import RedisEndpoint, readable_while_idle
+from ..transport.blocking import Request
+from .endpoint import RedisEndpoint
 from .reads import BlockingRespConnection
 
 __all__ = ["BlockingClusterConnection", "Trouble", "UnservedKeys"]
@@ -52,6 +42,16 @@ IDLE_CHECK_AFTER = 0.5
 _ReplyError = hiredis.ReplyError
 
 
+class _Gets(Request):
+    """``n`` pipelined ``GET`` s, answered by ``n`` replies gathered into one list."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, keys: Sequence[bytes]) -> None:
+        super().__init__(pack_gets(keys))
+        self.n = len(keys)
+
+
 class BlockingClusterConnection(BlockingRespConnection):
     """One cluster node's socket: each request is a ``GET`` per key, answered as one list.
 
@@ -61,12 +61,9 @@ class BlockingClusterConnection(BlockingRespConnection):
     """
 
     def __init__(self, endpoint: RedisEndpoint | None, node: str, trouble: Trouble) -> None:
-        super().__init__(endpoint, node)  # type: ignore[arg-type]
+        super().__init__(endpoint, NodeName(node))  # type: ignore[arg-type]
         self.trouble = trouble
-        #: keys (replies) of each pending request, oldest first (as ``pending``)
-        self.counts: collections.deque[int] = collections.deque()
         self._got: list[Any] = []      # replies of the oldest request gathered so far
-        self._raw = False              # parsing setup replies (AUTH), one at a time
         self._polling = False
         self._returned = 0             # replies handed back by the current poll()
         self._deferred: StoreError | None = None  # raised by the next call
@@ -75,41 +72,27 @@ class BlockingClusterConnection(BlockingRespConnection):
     def retarget(self, endpoint: RedisEndpoint, node: str) -> None:
         """Serve another node from now on (only while nothing is pending)."""
         self._fail()
-        self.endpoint, self.node = endpoint, node
+        self.endpoint, self.node = endpoint, NodeName(node)
 
     # -- requests -----------------------------------------------------------------------
+    def _request(self, keys: Sequence[bytes]) -> Request:
+        return _Gets(keys)  # GETs stay on hiredis: no parser switch
+
+    def _idle_closed(self) -> bool:
+        return time.monotonic() - self._active > IDLE_CHECK_AFTER and super()._idle_closed()
+
     def send_get(self, keys: Sequence[bytes]) -> None:
         if self._deferred is not None:
             raise self._take_deferred()
-        packed = pack_gets(keys)
-        now = time.monotonic()
         try:
-            if (self.sock is not None and not self.pending
-                    and now - self._active > IDLE_CHECK_AFTER
-                    and readable_while_idle(self.sock)):
-                self._close_socket()  # the server closed it while idle: replace it quietly
-            if self.sock is None:
-                self._connect()
-            if not self.pending:
-                self._may_retry = True
-            deadline = now + self.endpoint.timeout
-            self.pending.append((deadline, packed))
-            self.counts.append(len(keys))
-            try:
-                self._write(packed, deadline)
-            except BaseException:
-                self._fail()
-                raise
+            super().send_get(keys)
         except (StoreUnavailable, StoreTimeout):
             self.trouble(self.node, False)
             raise
 
     def _connect(self) -> None:
-        self._raw, self._got = True, []  # a fresh parser: the gathered replies are void
-        try:
-            super()._connect()
-        finally:
-            self._raw = False
+        self._got = []  # a fresh parser: the gathered replies are void
+        super()._connect()
 
     # -- replies ------------------------------------------------------------------------
     def poll(self, limit: int | None = None) -> list[list[Any]]:
@@ -137,10 +120,7 @@ class BlockingClusterConnection(BlockingRespConnection):
         """The oldest request's replies as one list once all have arrived, else False;
         raises (or, inside a poll that already parsed a reply, defers) the failure a
         reply that is not a value means."""
-        counts = self.counts
-        if self._raw or not counts:
-            return super()._parse()
-        need, got, gets = counts[0], self._got, self.parser.gets
+        need, got, gets = self.pending[0].n, self._got, self.parser.gets
         try:
             while len(got) < need:
                 reply = gets()
@@ -161,7 +141,6 @@ class BlockingClusterConnection(BlockingRespConnection):
         return got
 
     def _accept(self, reply: Any) -> list[Any]:
-        self.counts.popleft()
         self._active = time.monotonic()
         return super()._accept(reply)
 
@@ -189,7 +168,6 @@ class BlockingClusterConnection(BlockingRespConnection):
 
     def _fail(self) -> None:
         super()._fail()
-        self.counts.clear()
         self._got = []
 
 

@@ -1,170 +1,82 @@
-"""Where and how to connect: TLS settings, the Redis endpoint, and what a failed connection
-means, shared by the asyncio connections and the consumer-side blocking ones.
-
-The asyncio read connection, the consumer-side blocking connection and redis-py's pool
-all need the same settings; frozen dataclasses keep them in one place (and keep the
-password out of ``repr``).
-
-TLS: a client keeps :class:`TlsSettings`, file *paths* and checks, never file contents
-(it is pickled to DataLoader workers and into checkpoints). The ``SSLContext`` is built
-from them once per process, the first time a connection needs it, and shared by every
-connection with the same settings: loading a CA bundle costs milliseconds, and a context
-cannot be pickled anyway.
-
-Blocking TLS sockets (:func:`open_stream`, :func:`wait_ready`): the handshake is done
-non-blocking within ``connect_timeout``, and a wait for readability first asks the SSL
-object for decrypted bytes it already holds (``pending()``): those never make the
-socket readable again, so polling first would wait for the deadline with the reply in
-hand.
-"""
+"""Where and how to connect: one :class:`Endpoint` (host and port or a unix socket, TLS,
+timeouts, the name used in messages) for every connection, blocking or asyncio, and what
+a failed connection means."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import os
 import select
 import socket
 import ssl
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from ...errors import ConfigError, StoreError, StoreTimeout, StoreUnavailable
-from ..protocol.resp import setup_commands
+from ...errors import StoreError, StoreTimeout, StoreUnavailable
+from .tls import TlsSettings
 
-__all__ = [
-    "RedisEndpoint",
-    "TlsSettings",
-    "close_transport",
-    "closed_hint",
-    "connect_failure",
-    "open_stream",
-    "readable_while_idle",
-    "ssl_error_in",
-    "wait_ready",
-]
+__all__ = ["Endpoint", "closed_hint", "connect_failure", "open_stream", "readable_while_idle",
+           "wait_ready"]
 
-_CERT_REQS = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL,
-              "none": ssl.CERT_NONE}
 #: OpenSSL's verify codes for a certificate that does not name the host (DNS name / IP).
 _NAME_MISMATCH = (62, 64)
 
 
-@dataclass(frozen=True)
-class TlsSettings:
-    """How to set up TLS: the CA bundle to trust (``None``: the system's), the client
-    certificate and key, whether the server's certificate is required and its name
-    checked. Paths only: this travels with pickled clients."""
+@dataclass(frozen=True, kw_only=True)
+class Endpoint:
+    """One server: how to reach it, how long to wait, and how to name it in messages.
 
-    ca_certs: str | None = None
-    certfile: str | None = None
-    keyfile: str | None = field(default=None, repr=False)
-    cert_reqs: str = "required"
-    check_hostname: bool = True
+    ``kind`` (``"redis"``, ``"memcached"``) and ``where`` (its URL or ``host:port``,
+    password masked) start every message; ``tls_url`` is what to connect with when a
+    plain connection reaches a TLS port."""
 
-    def __post_init__(self) -> None:
-        if self.cert_reqs not in _CERT_REQS:
-            raise ConfigError(f"ssl_cert_reqs must be 'required', 'optional' or 'none', got "
-                              f"{self.cert_reqs!r}")
-        if self.keyfile is not None and self.certfile is None:
-            raise ConfigError("ssl_keyfile is given without ssl_certfile: a client "
-                              "certificate needs both (or one PEM file with both, as "
-                              "ssl_certfile)")
-
-    def check(self) -> None:
-        """Raise ConfigError naming the option whose file is missing, unreadable or not a
-        PEM file of the right kind. ``connect()`` calls this, so a typo fails there, in
-        the caller, not later in a DataLoader worker."""
-        for option, path in (("ssl_ca_certs", self.ca_certs), ("ssl_certfile", self.certfile),
-                             ("ssl_keyfile", self.keyfile)):
-            if path is not None and not (os.path.isfile(path) and os.access(path, os.R_OK)):
-                raise ConfigError(f"{option}={path!r} is not a readable file")
-        self.context()
-
-    def context(self) -> ssl.SSLContext:
-        """The client context for these settings, built once per process."""
-        return _context(self)
-
-    def redis_py_options(self) -> dict[str, Any]:
-        """The same settings as redis-py's ``ssl_*`` keyword arguments."""
-        return {"ssl": True, "ssl_ca_certs": self.ca_certs, "ssl_certfile": self.certfile,
-                "ssl_keyfile": self.keyfile, "ssl_cert_reqs": self.cert_reqs,
-                "ssl_check_hostname": self.check_hostname and self.cert_reqs != "none"}
-
-    def trusted(self) -> str:
-        """Which CAs are trusted, for messages."""
-        if self.ca_certs is None:
-            return "ssl_ca_certs is not set, so the system's CA store was used"
-        return f"ssl_ca_certs={self.ca_certs}"
-
-
-def _encrypted_key() -> str:
-    # OpenSSL's default would prompt on the terminal: a DataLoader worker would hang
-    raise ConfigError("ssl_keyfile (or ssl_certfile) holds an encrypted private key; "
-                      "asynccache needs an unencrypted key file (readable only by you)")
-
-
-@functools.cache
-def _context(tls: TlsSettings) -> ssl.SSLContext:
-    try:
-        context = ssl.create_default_context(cafile=tls.ca_certs)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"ssl_ca_certs={tls.ca_certs!r} cannot be loaded as PEM CA "
-                          f"certificates: {exc}") from exc
-    reqs = _CERT_REQS[tls.cert_reqs]
-    context.check_hostname = False  # before verify_mode: CERT_NONE refuses it otherwise
-    context.verify_mode = reqs
-    context.check_hostname = tls.check_hostname and reqs != ssl.CERT_NONE
-    if tls.certfile is not None:
-        try:
-            context.load_cert_chain(tls.certfile, tls.keyfile, password=_encrypted_key)
-        except (OSError, ssl.SSLError) as exc:
-            raise ConfigError(f"ssl_certfile={tls.certfile!r} / ssl_keyfile: cannot load the "
-                              f"client certificate and its key: {exc}") from exc
-    return context
-
-
-@dataclass(frozen=True)
-class RedisEndpoint:
-    host: str | None
-    port: int | None
-    unix_socket_path: str | None
-    username: str | None
-    password: str | None = field(repr=False)
-    db: int
-    timeout: float
-    connect_timeout: float
-    where: str  # the URL with the password masked: for messages and logs
+    kind: str
+    where: str
+    host: str | None = None
+    port: int | None = None
+    unix_socket_path: str | None = None
     tls: TlsSettings | None = None
-
-    def ssl_context(self) -> ssl.SSLContext | None:
-        """The TLS context (built once per process), or None for a plain connection."""
-        return None if self.tls is None else self.tls.context()
-
-    def setup_requests(self) -> list[bytes]:
-        return setup_commands(self.username, self.password, self.db)
+    timeout: float = 1.0
+    connect_timeout: float = 1.0
+    tls_url: str = ""
 
     @property
     def address(self) -> str | None:
         """``host:port`` (None for a unix socket), for messages that name another URL."""
         return None if self.unix_socket_path else f"{self.host}:{self.port}"
 
+    def setup_requests(self) -> list[bytes]:
+        """What a new connection sends before anything else (Redis: AUTH, SELECT)."""
+        return []
+
     def closed_hint(self, fresh: bool) -> str:
         """What to check when the server closed the connection (``fresh``: before it
         answered anything on it)."""
         if self.unix_socket_path:
             return ""
-        return closed_hint(self.tls, fresh=fresh, tls_url="rediss:// (rediss+cluster:// for "
-                           "a cluster) instead of redis://")
+        return closed_hint(self.tls, fresh=fresh, tls_url=self.tls_url)
+
+    def connect_failure(self, exc: BaseException) -> StoreError:
+        return connect_failure(self.kind, self.where, exc, self.tls, self.connect_timeout)
+
+    def no_answer(self, what: str = "answer") -> StoreTimeout:
+        return StoreTimeout(f"{self.kind} {self.where} did not {what} within "
+                            f"{self.timeout:g}s; raise `timeout=` in connect() if the store "
+                            "is just slow")
+
+    def broken(self, exc: BaseException | str, fresh: bool) -> StoreUnavailable:
+        """The connection failed (reset, closed, a TLS alert)."""
+        return StoreUnavailable(f"{self.kind} connection to {self.where} failed: {exc}"
+                                f"{self.closed_hint(fresh)}")
 
     def open_socket(self) -> socket.socket:
-        """A connected non-blocking socket (TLS handshake done), TCP_NODELAY set, within
+        """A connected non-blocking socket (TLS handshake done, TCP_NODELAY set), within
         ``connect_timeout``."""
         if not self.unix_socket_path:
             assert self.host is not None and self.port is not None
             return open_stream(self.host, self.port, tls=self.tls,
-                               connect_timeout=self.connect_timeout, kind="redis",
+                               connect_timeout=self.connect_timeout, kind=self.kind,
                                where=self.where)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -173,19 +85,23 @@ class RedisEndpoint:
             sock.setblocking(False)
         except OSError as exc:
             sock.close()
-            raise connect_failure("redis", self.where, exc, None, self.connect_timeout) from exc
+            raise self.connect_failure(exc) from exc
         return sock
 
-
-def close_transport(transport: asyncio.BaseTransport) -> None:
-    """Close an asyncio connection now. A TLS transport is aborted: ``close()`` would first
-    exchange close_notify alerts with the server, which keeps the socket open for a round
-    trip (up to the loop's SSL shutdown timeout, 30 s, with a dead server) and past the
-    end of a loop that stops right after; a cache connection has nothing left to flush."""
-    if transport.get_extra_info("sslcontext") is not None:
-        transport.abort()  # type: ignore[attr-defined]
-    else:
-        transport.close()
+    async def open_connection(self, protocol: Callable[[], asyncio.Protocol]) -> None:
+        """Connect ``protocol()`` in the running loop, within ``connect_timeout``."""
+        loop = asyncio.get_running_loop()
+        try:
+            if self.unix_socket_path:
+                coro: Any = loop.create_unix_connection(protocol, self.unix_socket_path)
+            else:
+                context = None if self.tls is None else self.tls.context()
+                coro = loop.create_connection(
+                    protocol, self.host, self.port, ssl=context,
+                    server_hostname=self.host if context is not None else None)
+            await asyncio.wait_for(coro, self.connect_timeout)
+        except (asyncio.TimeoutError, OSError) as exc:  # ssl.SSLError is an OSError
+            raise self.connect_failure(exc) from exc
 
 
 # -- blocking sockets, plain or TLS --------------------------------------------------------
@@ -277,22 +193,6 @@ def closed_hint(tls: TlsSettings | None, *, fresh: bool = False, tls_url: str = 
         return ""
     return ("; a TLS server that requires client certificates closes the connection of a "
             "client without one: pass ssl_certfile and ssl_keyfile")
-
-
-def ssl_error_in(exc: BaseException) -> ssl.SSLError | None:
-    """The ``ssl.SSLError`` behind ``exc`` (itself, or one it was raised from or during),
-    if any: redis-py reports a failed handshake as its own ConnectionError."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        if isinstance(e, ssl.SSLError):
-            return e
-        seen.add(id(e))
-        todo += [e.__cause__, e.__context__]
-    return None
 
 
 def connect_failure(kind: str, where: str, exc: BaseException, tls: TlsSettings | None,
