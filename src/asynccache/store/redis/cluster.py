@@ -34,22 +34,17 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from abc import ABC, abstractmethod
-from binascii import crc_hqx
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-import hiredis
 import redis.exceptions as rexc
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
-from ...errors import CacheError, StoreError, StoreRejected, StoreTimeout, StoreUnavailable
+from ...errors import CacheError, StoreError, StoreTimeout, StoreUnavailable
 from ..api import (
     NOT_READ,
     BaseClient,
-    ConsumerConnection,
     ConsumerReads,
     NodeName,
     ReadResult,
@@ -57,33 +52,28 @@ from ..api import (
     chunked,
 )
 from ..credentials import Credential
-from ..loop import LoopThread, get_loop_thread
+from ..loop import get_loop_thread
 from ..protocol.resp import (
     PING,
-    check_mget_reply,
-    cluster_node_error,
-    explain_rejection,
     is_error,
     memcached_hint,
-    pack_command,
     pack_delete,
-    pack_gets,
-    pack_mget,
     pack_set,
     pack_set_if_absent,
 )
 from ..transport.endpoint import connect_failure
 from ..transport.tls import TlsSettings, ssl_error_in
-from .admin import node_info, pack_exists, pack_strlen, scan_node, size_of
-from .cluster_reads import BlockingClusterConnection, UnservedKeys
-from .connection import Request, RespConnection
+from .admin import node_info, pack_exists, pack_strlen, scan_node
+from .cluster_calls import Add, Delete, Exists, Read, Sizes, Write
+from .cluster_reads import ConsumerRoutes
+from .cluster_slots import ClusterState, Command, SlotView, Target, key_slots
+from .connection import RespConnection
 from .endpoint import RedisEndpoint
 
 __all__ = ["RedisClusterClient"]
 
 logger = logging.getLogger("asynccache")
 
-_ASKING = pack_command(b"ASKING")
 #: Least seconds between slot-map re-reads triggered by a node that did not answer: a dead
 #: node is probed on every read that is not skipped, and each probe must not cost a
 #: ``CLUSTER SLOTS``.
@@ -91,411 +81,9 @@ REFRESH_INTERVAL = 1.0
 #: Least seconds between re-reads asked for by a redirection the consumer-side path saw
 #: (it cannot follow one itself): a burst of ``MOVED`` replies costs one ``CLUSTER SLOTS``.
 REDIRECT_REFRESH_INTERVAL = 0.1
-_SLOT_MASK = REDIS_CLUSTER_HASH_SLOTS - 1
-_ReplyError = hiredis.ReplyError
 
 
-def key_slots(keys: Sequence[bytes]) -> list[int]:
-    """Each key's hash slot: redis-py's ``key_slot`` (the server's CRC16, of the ``{tag}``
-    when there is one), with the common tag-free batch inlined (``binascii.crc_hqx`` is
-    the C CRC16 that ``key_slot`` itself calls)."""
-    if b"{" in b"".join(keys):
-        return [key_slot(k) for k in keys]
-    return [crc_hqx(k, 0) & _SLOT_MASK for k in keys]
-
-
-@dataclass(frozen=True, slots=True)
-class _SlotView:
-    """redis-py's slot map as of one refresh, flattened for lookups on the hot path (and
-    replaced whole, so the consumer threads read a consistent one without a lock):
-    ``owners[slot]`` is the primary's name (None: no node serves the slot)."""
-
-    generation: int
-    owners: tuple[str | None, ...]
-    primaries: dict[str, tuple[str, int]]  # name -> (host, port)
-
-
-_NO_VIEW = _SlotView(0, (None,) * REDIS_CLUSTER_HASH_SLOTS, {})
-
-
-@dataclass(slots=True)
-class _Command:
-    """One command about keys of one slot; ``positions`` index the caller's keys."""
-
-    slot: int
-    positions: list[int]
-    request: Request
-
-
-@dataclass(frozen=True, slots=True)
-class _Target:
-    """A node to send commands to: the slot's owner in the map, or where a ``MOVED`` /
-    ``ASK`` reply sends them (``asking``: each command goes after an ``ASKING``)."""
-
-    node: str  # "host:port": the name failures are reported under
-    host: str
-    port: int
-    asking: bool = False
-
-
-@dataclass
-class _ClusterState:
-    topology: RedisCluster  # the slot map only: no data goes through redis-py
-    nodes: dict[str, RespConnection] = field(default_factory=dict)  # "host:port" -> conn
-    ready: bool = False  # the slot map was read once
-    view: _SlotView = _NO_VIEW  # the slot map as of the last read
-    refresh: asyncio.Task[None] | None = None  # background re-read after a failure
-    last_refresh: float = float("-inf")  # time.monotonic() of the last re-read started
-
-
-def _redirect(reply: Any, replier_host: str) -> _Target | None:
-    """The target of a ``MOVED slot host:port`` / ``ASK slot host:port`` reply, else None
-    (a malformed one included: it then fails as any other error reply).
-
-    An empty host means "the host you reached me on" (a node that does not know its
-    own address).
-    """
-    text = str(reply)
-    if not text.startswith(("MOVED ", "ASK ")):
-        return None
-    kind, _, rest = text.partition(" ")
-    address = rest.partition(" ")[2]
-    host, _, port = address.rpartition(":")
-    if not port.isdigit():
-        return None
-    host = host or replier_host
-    return _Target(f"{host}:{port}", host, int(port), asking=kind == "ASK")
-
-
-def _unexpected(node: str, exc: Exception) -> StoreError:
-    """A bug below us must cost the node's keys, not the training run."""
-    error = StoreError(f"redis cluster node {node}: the client raised "
-                       f"{type(exc).__name__}: {exc}")
-    error.__cause__ = exc
-    return error
-
-
-class _Call(ABC):
-    """One operation across the cluster: commands grouped by owning node, one pipelined
-    exchange per node, nodes concurrently, ``MOVED``/``ASK`` followed once.
-
-    What went wrong is recorded per node and never raised; subclasses turn the replies
-    into values or counts.
-    """
-
-    def __init__(self, client: RedisClusterClient, state: _ClusterState,
-                 skip: Collection[NodeName]) -> None:
-        self.client = client
-        self.state = state
-        self.skip = skip
-        self.failures: dict[str, StoreError] = {}
-        self.replied: dict[str, None] = {}  # nodes that answered, in order
-        self.failed_keys = 0
-        self.skipped = 0
-        self.refresh_soon = False  # a node did not answer: the map may be stale
-
-    @abstractmethod
-    def on_reply(self, node: str, command: _Command, reply: Any) -> None:
-        """A reply that is neither a redirection nor a node-level error."""
-
-    @property
-    def answered(self) -> list[str]:
-        return [node for node in self.replied if node not in self.failures]
-
-    def fail(self, node: str, error: StoreError, commands: Sequence[_Command] | int) -> None:
-        """``node`` failed for ``commands`` (or that many keys)."""
-        self.failures.setdefault(node, error)
-        self.failed_keys += (commands if type(commands) is int
-                             else sum(len(c.positions) for c in commands))  # type: ignore[union-attr]
-        if isinstance(error, StoreUnavailable | StoreTimeout):
-            self.refresh_soon = True
-
-    async def run(self, commands: Sequence[_Command]) -> None:
-        redirects: list[tuple[_Command, _Target]] = []
-        await asyncio.gather(*(self._exchange(target, cmds, redirects)
-                               for target, cmds in self._route(commands).values()))
-        if redirects:
-            await self._follow(redirects)
-        if self.refresh_soon:
-            self.client._refresh_soon(self.state)
-
-    def _route(self, commands: Sequence[_Command]
-               ) -> dict[str, tuple[_Target, list[_Command]]]:
-        """Commands grouped by the node owning their slot in the map (keyed by node name:
-        a str hashes once, a ClusterNode in Python on every lookup); a slot no node
-        serves fails its keys under the cluster's URL."""
-        owner_of = self.state.topology.nodes_manager.get_node_from_slot
-        groups: dict[str, tuple[_Target, list[_Command]]] = {}
-        for command in commands:
-            try:
-                owner = owner_of(command.slot)
-            except (rexc.SlotNotCoveredError, KeyError):  # redis-py 8 lets a KeyError out
-                url = self.client.safe_url
-                self.fail(url, StoreUnavailable(
-                    f"slot {command.slot} of redis cluster {url} is served by no node"),
-                    [command])
-                continue
-            group = groups.get(owner.name)
-            if group is None:
-                group = (_Target(owner.name, owner.host, int(owner.port)), [])
-                groups[owner.name] = group
-            group[1].append(command)
-        return groups
-
-    async def _follow(self, redirects: list[tuple[_Command, _Target]]) -> None:
-        """Send redirected commands once more, to the named nodes; after a ``MOVED``,
-        re-read the slot map at the same time (the retry does not need it)."""
-        again: dict[_Target, list[_Command]] = {}
-        for command, target in redirects:
-            again.setdefault(target, []).append(command)
-        moved = any(not target.asking for target in again)
-        await asyncio.gather(
-            *([self.client._refresh(self.state)] if moved else []),
-            *(self._exchange(target, cmds, None) for target, cmds in again.items()))
-
-    async def _exchange(self, target: _Target, commands: list[_Command],
-                        redirects: list[tuple[_Command, _Target]] | None) -> None:
-        """One node's commands, pipelined; ``redirects`` collects MOVED/ASK replies (None
-        on a retry: a second redirection fails those keys)."""
-        node, asking = target.node, target.asking
-        if node in self.skip:
-            self.skipped += sum(len(c.positions) for c in commands)
-            return
-        conn = self.client._connection(self.state, target)
-        if asking:
-            requests: list[Request] = []
-            for command in commands:
-                requests += ([_ASKING], command.request)
-        else:
-            requests = [command.request for command in commands]
-        try:
-            replies = await conn.execute(requests)
-        except StoreError as exc:
-            self.fail(node, exc, commands)
-            return
-        except Exception as exc:
-            self.fail(node, _unexpected(node, exc), commands)
-            return
-        if asking:
-            replies = replies[1::2]  # ASKING answers OK; a refused one shows in the next reply
-        self.replied[node] = None
-        for command, reply in zip(commands, replies):
-            self.handle(target, command, reply, redirects)
-
-    def handle(self, target: _Target, command: _Command, reply: Any,
-               redirects: list[tuple[_Command, _Target]] | None) -> None:
-        """One reply: a redirection is collected (or, on a retry, fails), an error about
-        the node fails its keys, anything else goes to :meth:`on_reply`."""
-        node = target.node
-        if is_error(reply):
-            moved = _redirect(reply, target.host)
-            if moved is not None:
-                if redirects is None:
-                    self.fail(node, StoreError(
-                        f"redis cluster node {node} redirected slot {command.slot} "
-                        f"again ({reply}) after a redirection; its keys were not served"),
-                        [command])
-                else:
-                    redirects.append((command, moved))
-                return
-            error = cluster_node_error(reply, node)
-            if error is not None:
-                self.fail(node, error, [command])
-                return
-        self.on_reply(node, command, reply)
-
-
-class _Read(_Call):
-    """A read: per node, one pipelined exchange of a ``GET`` per key (an ``MGET`` per slot
-    for a slot holding several keys of the batch), parsed in one pass; only the rare
-    error replies become :class:`_Command` s, for the redirection and failure logic."""
-
-    def __init__(self, client: RedisClusterClient, state: _ClusterState,
-                 skip: Collection[NodeName], n: int) -> None:
-        super().__init__(client, state, skip)
-        self.values: list[Any] = [NOT_READ] * n
-
-    async def read(self, keys: Sequence[bytes]) -> None:
-        slots = key_slots(keys)
-        owners = self.state.view.owners
-        groups: dict[str | None, list[int]] = {}
-        distinct = len(set(slots)) == len(slots)  # no slot with two keys (most batches)
-        for position, node in enumerate([owners[slot] for slot in slots]):
-            group = groups.get(node)
-            if group is None:
-                groups[node] = [position]
-            else:
-                group.append(position)
-        unserved = groups.pop(None, None)
-        if unserved is not None:
-            url = self.client.safe_url
-            self.fail(url, StoreUnavailable(
-                f"slot {slots[unserved[0]]} of redis cluster {url} is served by no node"),
-                len(unserved))
-        # every node's request is written first, then the replies are awaited in turn:
-        # the nodes work concurrently without a Task per node
-        redirects: list[tuple[_Command, _Target]] = []
-        primaries = self.state.view.primaries
-        sent: list[tuple[_Target, list[int], list[_Command] | None, RespConnection, Any]] = []
-        for node, positions in groups.items():
-            if node in self.skip:
-                self.skipped += len(positions)
-                continue
-            host, port = primaries[node]  # type: ignore[index]
-            target = _Target(node, host, port)  # type: ignore[arg-type]
-            try:
-                commands, data, n = self._pack(keys, slots, positions, distinct)
-                conn = self.client._connection(self.state, target)
-                exchange: Any = conn.send_now((data,), n)
-                if exchange is None:  # not connected yet: connect (and send) in a Task
-                    exchange = asyncio.ensure_future(conn.execute_packed((data,), n))
-            except Exception as exc:  # a bug below us costs this node's keys
-                self.fail(node, _unexpected(node, exc), len(positions))
-                continue
-            sent.append((target, positions, commands, conn, exchange))
-        try:
-            while sent:
-                target, positions, commands, conn, exchange = sent.pop(0)
-                node = target.node
-                try:
-                    if isinstance(exchange, asyncio.Future):
-                        replies = await exchange
-                    else:
-                        replies = await conn.result(exchange)
-                    self.replied[node] = None
-                    self._scatter(target, keys, slots, positions, commands, replies, redirects)
-                except StoreError as exc:
-                    self.fail(node, exc, len(positions))
-                except Exception as exc:
-                    self.fail(node, _unexpected(node, exc), len(positions))
-        finally:
-            for *_, exchange in sent:  # cancelled: nobody waits for these replies any more
-                exchange.cancel()
-        if redirects:
-            await self._follow(redirects)
-        if self.refresh_soon:
-            self.client._refresh_soon(self.state)
-
-    def _pack(self, keys: Sequence[bytes], slots: list[int], positions: list[int],
-              distinct: bool) -> tuple[list[_Command] | None, bytes, int]:
-        """One node's request: a GET per key (commands None), or, when a slot holds
-        several of its keys, a GET per lone key and an MGET per such slot."""
-        if distinct:  # the common case
-            return None, pack_gets([keys[p] for p in positions]), len(positions)
-        commands = []
-        by_slot: dict[int, list[int]] = {}
-        for position in positions:
-            by_slot.setdefault(slots[position], []).append(position)
-        for slot, at in by_slot.items():
-            if len(at) == 1:
-                commands.append(_Command(slot, at, [pack_gets((keys[at[0]],))]))
-            else:
-                commands += [_Command(slot, chunk, [pack_mget([keys[p] for p in chunk])])
-                             for chunk in chunked(at, self.client.max_batch)]
-        return commands, b"".join([c.request[0] for c in commands]), len(commands)  # type: ignore[misc]
-
-    def _scatter(self, target: _Target, keys: Sequence[bytes], slots: list[int],
-                 positions: list[int], commands: list[_Command] | None, replies: list[Any],
-                 redirects: list[tuple[_Command, _Target]]) -> None:
-        """A node's replies into the values; error replies to :meth:`handle`."""
-        values = self.values
-        if commands is None:
-            if _ReplyError not in map(type, replies):
-                for position, value in zip(positions, replies):
-                    values[position] = value
-                return
-            commands = [_Command(slots[p], [p], []) for p in positions]
-        for command, reply in zip(commands, replies):
-            if len(command.positions) == 1 and type(reply) is not list:  # a GET's reply
-                if type(reply) is not _ReplyError:
-                    values[command.positions[0]] = reply
-                    continue
-                # a retry (after MOVED / ASK) goes as an MGET of one key
-                command.request = [pack_mget((keys[command.positions[0]],))]
-            self.handle(target, command, reply, redirects)
-
-    def on_reply(self, node: str, command: _Command, reply: Any) -> None:
-        if type(reply) is not list:
-            try:
-                check_mget_reply(reply, f"cluster node {node}")
-            except StoreError as exc:
-                self.fail(node, exc, [command])
-            return
-        values = self.values
-        for position, value in zip(command.positions, reply):
-            values[position] = value
-
-
-class _Write(_Call):
-    def __init__(self, client: RedisClusterClient, state: _ClusterState,
-                 skip: Collection[NodeName], items: Sequence[tuple[bytes, bytes]]) -> None:
-        super().__init__(client, state, skip)
-        self.items = items
-        self.written = 0
-        self.rejected: dict[bytes, StoreError] = {}
-
-    def on_reply(self, node: str, command: _Command, reply: Any) -> None:
-        if not is_error(reply):
-            self.written += 1
-            return
-        key, value = self.items[command.positions[0]]
-        size = memoryview(value).nbytes
-        self.rejected[key] = StoreRejected(
-            explain_rejection(reply, f"cluster node {node}", size))
-
-
-class _Add(_Call):
-    """``SET NX PX`` per key: which keys were absent (and are now set)."""
-
-    def __init__(self, client: RedisClusterClient, state: _ClusterState, n: int) -> None:
-        super().__init__(client, state, ())
-        self.added = [False] * n
-
-    def on_reply(self, node: str, command: _Command, reply: Any) -> None:
-        if is_error(reply):
-            self.fail(node, StoreError(f"redis cluster node {node} refused SET NX: {reply}"),
-                      [command])
-            return
-        self.added[command.positions[0]] = reply is not None
-
-
-class _Delete(_Call):
-    def on_reply(self, node: str, command: _Command, reply: Any) -> None:
-        if is_error(reply):
-            self.fail(node, StoreError(f"redis cluster node {node} refused DEL: {reply}"),
-                      [command])
-
-
-class _Exists(_Call):
-    """``EXISTS`` per key: which keys the cluster holds."""
-
-    def __init__(self, client: RedisClusterClient, state: _ClusterState, n: int) -> None:
-        super().__init__(client, state, ())
-        self.found = [False] * n
-
-    def on_reply(self, node: str, command: _Command, reply: Any) -> None:
-        if is_error(reply):
-            self.fail(node, StoreError(f"redis cluster node {node} refused EXISTS: {reply}"),
-                      [command])
-            return
-        self.found[command.positions[0]] = reply == 1
-
-
-class _Sizes(_Call):
-    """``STRLEN`` per key: the sizes of the values the cluster holds."""
-
-    def __init__(self, client: RedisClusterClient, state: _ClusterState, n: int) -> None:
-        super().__init__(client, state, ())
-        self.sizes: list[int | None] = [None] * n
-
-    def on_reply(self, node: str, command: _Command, reply: Any) -> None:
-        try:
-            self.sizes[command.positions[0]] = size_of(reply, f"cluster node {node}")
-        except StoreError as exc:
-            self.fail(node, exc, [command])
-
-
-class RedisClusterClient(BaseClient[_ClusterState]):
+class RedisClusterClient(BaseClient[ClusterState]):
     """Client for a Redis Cluster given one or more startup nodes."""
 
     scheme = "redis+cluster"
@@ -550,7 +138,7 @@ class RedisClusterClient(BaseClient[_ClusterState]):
         return self._primaries or tuple(f"{h}:{p}" for h, p in self.nodes)
 
     # -- per-loop state: the slot map and one connection per primary -------------------
-    def _open_state(self) -> _ClusterState:
+    def _open_state(self) -> ClusterState:
         topology = RedisCluster(
             startup_nodes=[ClusterNode(h, p) for h, p in self.nodes],
             # a slot nobody serves costs its own keys, not the whole map
@@ -561,9 +149,9 @@ class RedisClusterClient(BaseClient[_ClusterState]):
             socket_connect_timeout=self.connect_timeout,
             **(self.tls.redis_py_options() if self.tls else {}),
         )
-        return _ClusterState(topology)
+        return ClusterState(topology)
 
-    async def _close_state(self, state: _ClusterState) -> None:
+    async def _close_state(self, state: ClusterState) -> None:
         if state.refresh is not None:
             state.refresh.cancel()
             await asyncio.gather(state.refresh, return_exceptions=True)
@@ -579,7 +167,7 @@ class RedisClusterClient(BaseClient[_ClusterState]):
             connect_timeout=self.connect_timeout, where=f"cluster node {host}:{port}",
             tls=self.tls)
 
-    def _connection(self, state: _ClusterState, target: _Target) -> RespConnection:
+    def _connection(self, state: ClusterState, target: Target) -> RespConnection:
         """The node's connection. Every primary of the map has one; a redirection may
         name a node the map does not list yet, whose connection is closed at the next
         map refresh unless it is a primary by then."""
@@ -589,9 +177,9 @@ class RedisClusterClient(BaseClient[_ClusterState]):
             state.nodes[target.node] = conn
         return conn
 
-    def _sync_nodes(self, state: _ClusterState) -> None:
+    def _sync_nodes(self, state: ClusterState) -> None:
         """One connection per primary of the current map; close the others. Publish the
-        map as a new :class:`_SlotView` (the read paths' lookups)."""
+        map as a new :class:`SlotView` (the read paths' lookups)."""
         primaries = {n.name: n for n in state.topology.get_primaries()}
         for name in [name for name in state.nodes if name not in primaries]:
             state.nodes.pop(name).close()
@@ -602,11 +190,11 @@ class RedisClusterClient(BaseClient[_ClusterState]):
         for slot, holders in state.topology.nodes_manager.slots_cache.items():
             if holders and holders[0].name in primaries:  # [0]: the slot's primary
                 owners[slot] = holders[0].name
-        state.view = _SlotView(state.view.generation + 1, tuple(owners),
+        state.view = SlotView(state.view.generation + 1, tuple(owners),
                                {name: (n.host, int(n.port)) for name, n in primaries.items()})
         self._primaries = tuple(primaries)
 
-    async def _load_map(self, state: _ClusterState) -> None:
+    async def _load_map(self, state: ClusterState) -> None:
         """Read the slot map (``CLUSTER SLOTS`` from the first startup node that answers);
         raises StoreError when none does."""
         budget = self.connect_timeout + self.timeout
@@ -631,7 +219,7 @@ class RedisClusterClient(BaseClient[_ClusterState]):
         state.ready = True
         self._sync_nodes(state)
 
-    async def _refresh(self, state: _ClusterState) -> None:
+    async def _refresh(self, state: ClusterState) -> None:
         """Re-read the slot map; a failure only leaves the old map in place (logged)."""
         state.last_refresh = time.monotonic()
         try:
@@ -639,7 +227,7 @@ class RedisClusterClient(BaseClient[_ClusterState]):
         except StoreError as exc:
             logger.debug("asynccache: slot map refresh failed: %s", exc)
 
-    def _refresh_soon(self, state: _ClusterState, interval: float = REFRESH_INTERVAL) -> None:
+    def _refresh_soon(self, state: ClusterState, interval: float = REFRESH_INTERVAL) -> None:
         """Re-read the map in the background, at most once per ``interval``."""
         if state.refresh is not None and not state.refresh.done():
             return
@@ -656,7 +244,7 @@ class RedisClusterClient(BaseClient[_ClusterState]):
             return
         self._refresh_soon(state, REDIRECT_REFRESH_INTERVAL if redirected else REFRESH_INTERVAL)
 
-    async def _loaded_state(self) -> _ClusterState:
+    async def _loaded_state(self) -> ClusterState:
         """(Loop thread.) This loop's state, its map read if any startup node answers."""
         state = self._state()
         if not state.ready:
@@ -677,11 +265,11 @@ class RedisClusterClient(BaseClient[_ClusterState]):
             loop.call(self._loaded_state(), self.connect_timeout + self.timeout + 1)
         except (concurrent.futures.TimeoutError, CacheError):
             pass  # no map yet: the routes send every key to UnservedKeys until one is read
-        routes = _ConsumerRoutes(self, loop)
+        routes = ConsumerRoutes(self, loop)
         return ConsumerReads(routes.conns, routes.route,
                              fanout=max(1, len(self.node_names)))
 
-    async def _ready(self) -> _ClusterState:
+    async def _ready(self) -> ClusterState:
         state = self._state()
         if not state.ready:
             await self._load_map(state)
@@ -699,17 +287,17 @@ class RedisClusterClient(BaseClient[_ClusterState]):
         return slots
 
     def _multi_key(self, keys: Sequence[bytes],
-                   pack: Callable[[Sequence[bytes]], bytes]) -> list[_Command]:
+                   pack: Callable[[Sequence[bytes]], bytes]) -> list[Command]:
         """One command per slot and per ``max_batch`` keys (a multi-key command must stay
         within one slot). Most slots of a batch hold one key: that case is kept cheap."""
         commands = []
         limit = self.max_batch
         for slot, positions in self._by_slot(keys).items():
             if len(positions) == 1:
-                commands.append(_Command(slot, positions, [pack((keys[positions[0]],))]))
+                commands.append(Command(slot, positions, [pack((keys[positions[0]],))]))
                 continue
             for chunk in chunked(positions, limit):
-                commands.append(_Command(slot, chunk, [pack([keys[p] for p in chunk])]))
+                commands.append(Command(slot, chunk, [pack([keys[p] for p in chunk])]))
         return commands
 
     # -- what the core calls ------------------------------------------------------------
@@ -720,7 +308,7 @@ class RedisClusterClient(BaseClient[_ClusterState]):
             state = await self._ready()
         except StoreError as exc:
             return ReadResult([NOT_READ] * len(keys), failures={self.safe_url: exc})
-        call = _Read(self, state, skip, len(keys))
+        call = Read(self, state, skip, len(keys))
         if keys:
             await call.read(keys)
         return ReadResult(call.values, call.failures, call.answered, call.skipped)
@@ -734,10 +322,10 @@ class RedisClusterClient(BaseClient[_ClusterState]):
         except StoreError as exc:
             return WriteResult(failures={self.safe_url: exc}, failed_keys=len(entries))
         items = list(entries.items())
-        call = _Write(self, state, skip, items)
+        call = Write(self, state, skip, items)
         if items:
             ttl_ms = None if ttl is None else max(1, int(ttl * 1000))
-            await call.run([_Command(key_slot(key), [i], pack_set(key, value, ttl_ms))
+            await call.run([Command(key_slot(key), [i], pack_set(key, value, ttl_ms))
                             for i, (key, value) in enumerate(items)])
         return WriteResult(call.written, call.failures, call.failed_keys, call.rejected,
                            call.answered, call.skipped)
@@ -746,7 +334,7 @@ class RedisClusterClient(BaseClient[_ClusterState]):
     async def delete_many(self, keys: Sequence[bytes]) -> None:
         if not keys:
             return
-        call = _Delete(self, await self._ready(), ())
+        call = Delete(self, await self._ready(), ())
         await call.run(self._multi_key(keys, pack_delete))
         for error in call.failures.values():
             raise error
@@ -754,7 +342,7 @@ class RedisClusterClient(BaseClient[_ClusterState]):
     async def ping(self) -> None:
         """``PING`` every primary of the slot map, concurrently."""
         state = await self._ready()
-        primaries = [_Target(n.name, n.host, int(n.port))
+        primaries = [Target(n.name, n.host, int(n.port))
                      for n in state.topology.get_primaries()]
         replies = await asyncio.gather(
             *(self._connection(state, target).execute([[PING]]) for target in primaries),
@@ -768,18 +356,18 @@ class RedisClusterClient(BaseClient[_ClusterState]):
 
     async def add_many(self, entries: Mapping[bytes, bytes], ttl: float) -> list[bool]:
         items = list(entries.items())
-        call = _Add(self, await self._ready(), len(items))
+        call = Add(self, await self._ready(), len(items))
         ttl_ms = max(1, int(ttl * 1000))
-        await call.run([_Command(key_slot(key), [i], pack_set_if_absent(key, value, ttl_ms))
+        await call.run([Command(key_slot(key), [i], pack_set_if_absent(key, value, ttl_ms))
                         for i, (key, value) in enumerate(items)])
         for error in call.failures.values():
             raise error
         return call.added
 
     # -- administration -------------------------------------------------------------------
-    async def _primaries_now(self) -> tuple[_ClusterState, list[_Target]]:
+    async def _primaries_now(self) -> tuple[ClusterState, list[Target]]:
         state = await self._ready()
-        return state, [_Target(n.name, n.host, int(n.port))
+        return state, [Target(n.name, n.host, int(n.port))
                        for n in state.topology.get_primaries()]
 
     async def server_info(self) -> dict[str, Any]:
@@ -801,9 +389,9 @@ class RedisClusterClient(BaseClient[_ClusterState]):
 
     async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         """``EXISTS`` per key, pipelined per owning node, nodes concurrently."""
-        call = _Exists(self, await self._ready(), len(keys))
+        call = Exists(self, await self._ready(), len(keys))
         if keys:
-            await call.run([_Command(key_slot(key), [i], [pack_exists(key)])
+            await call.run([Command(key_slot(key), [i], [pack_exists(key)])
                             for i, key in enumerate(keys)])
         for error in call.failures.values():
             raise error
@@ -811,127 +399,10 @@ class RedisClusterClient(BaseClient[_ClusterState]):
 
     async def sizes_many(self, keys: Sequence[bytes]) -> list[int | None]:
         """``STRLEN`` per key, pipelined per owning node, nodes concurrently."""
-        call = _Sizes(self, await self._ready(), len(keys))
+        call = Sizes(self, await self._ready(), len(keys))
         if keys:
-            await call.run([_Command(key_slot(key), [i], [pack_strlen(key)])
+            await call.run([Command(key_slot(key), [i], [pack_strlen(key)])
                             for i, key in enumerate(keys)])
         for error in call.failures.values():
             raise error
         return call.sizes
-
-
-class _ConsumerRoutes:
-    """``route(keys)`` for one consumer thread's reader (read-ahead on its own sockets),
-    and its connections: one :class:`BlockingClusterConnection` per primary.
-
-    The map is the one the loop thread's state keeps (redis-py's, as a
-    :class:`_SlotView`); each request looks at its generation, and a new one (after a
-    ``MOVED``, a failover, a node that left) is followed there and then: connections of
-    nodes that left the map are closed and given to the nodes that joined it. The list
-    of connections cannot grow once handed out (the source sized its state by it), so it
-    holds spares: twice as many as there are primaries now (at least six). Keys of a
-    slot no node serves, of a node no spare is left for, or all keys while no map could
-    be read yet, go to :class:`UnservedKeys`: the asyncio path reads them (loading the
-    map if need be), and what fails there fails only them.
-    """
-
-    def __init__(self, client: RedisClusterClient, loop: LoopThread) -> None:
-        self.client = client
-        self.loop = loop
-        capacity = 2 * max(len(client.node_names), 3)
-        self.conns: list[ConsumerConnection] = [
-            BlockingClusterConnection(None, f"(spare {i})", self.trouble)
-            for i in range(capacity)]
-        self.unserved = capacity
-        self.conns.append(UnservedKeys(self._unserved_name, self._read_on_loop))
-        self.generation = -1
-        self.owner_of: list[int] = [self.unserved] * REDIS_CLUSTER_HASH_SLOTS
-        self.incomplete = False  # a primary of the map is still without a connection
-
-    def trouble(self, node: str, redirected: bool) -> None:
-        """(Consumer thread.) Ask the loop thread to re-read the map."""
-        try:
-            self.loop.call_soon(self.client._consumer_trouble, redirected)
-        except RuntimeError:  # the loop is closed: nothing to refresh for
-            pass
-
-    def _unserved_name(self) -> str:
-        """Where keys without a connection count their failures: the cluster's URL
-        before any map was read (as the asyncio path reports it), else the slots no
-        node serves."""
-        state = self.client._states.get(self.loop.loop)
-        url = self.client.safe_url
-        if state is None or state.view is _NO_VIEW:
-            return url
-        return f"{url} (slots no node serves)"
-
-    def _read_on_loop(self, keys: Sequence[bytes]) -> list[Any]:
-        """(Consumer thread.) ``keys`` read by the asyncio path; raises what failed."""
-        client = self.client
-        budget = client.connect_timeout + 2 * client.timeout + 1
-        try:
-            result = self.loop.call(client.read(list(keys)), budget)
-        except concurrent.futures.TimeoutError as exc:
-            raise StoreTimeout(f"redis cluster {client.safe_url} did not answer within "
-                               f"{budget:g}s") from exc
-        except RuntimeError as exc:  # the loop is closed
-            raise StoreUnavailable(f"redis cluster {client.safe_url}: {exc}") from exc
-        for error in result.failures.values():
-            raise error
-        if result.skipped:  # not skipped here: only the policy skips, before send_get
-            raise StoreError("keys skipped by the cluster client (asynccache bug)")
-        return result.values
-
-    def _view(self) -> _SlotView | None:
-        state = self.client._states.get(self.loop.loop)
-        return None if state is None else state.view
-
-    def route(self, keys: Sequence[bytes]) -> list[tuple[int, list[int]]]:
-        view = self._view()
-        if view is not None and (view.generation != self.generation or (
-                self.incomplete and self._any_free(view))):
-            self._follow(view)
-        owner_of = self.owner_of
-        groups: dict[int, list[int]] = {}
-        for position, ci in enumerate([owner_of[slot] for slot in key_slots(keys)]):
-            group = groups.get(ci)
-            if group is None:
-                groups[ci] = [position]
-            else:
-                group.append(position)
-        return list(groups.items())
-
-    def _real(self) -> list[BlockingClusterConnection]:
-        return self.conns[: self.unserved]  # type: ignore[return-value]
-
-    def _any_free(self, view: _SlotView) -> bool:
-        return any(c.endpoint is None or (c.node not in view.primaries and not c.pending)
-                   for c in self._real())
-
-    def _follow(self, view: _SlotView) -> None:
-        """Connections for the primaries of ``view``, and the slot → connection lookup."""
-        primaries = view.primaries
-        conns = self._real()
-        index = {c.node: ci for ci, c in enumerate(conns)
-                 if c.endpoint is not None and c.node in primaries}
-        free = []
-        for ci, conn in enumerate(conns):
-            if conn.endpoint is None or (conn.node not in primaries and not conn.pending):
-                conn.close()
-                free.append(ci)
-        self.incomplete = False
-        for name, (host, port) in primaries.items():
-            if name in index:
-                continue
-            if not free:
-                self.incomplete = True
-                logger.debug("asynccache: no consumer connection left for cluster node %s",
-                             name)
-                continue
-            ci = free.pop(0)
-            conns[ci].retarget(self.client._endpoint(host, port), name)
-            index[name] = ci
-        unserved = self.unserved
-        lookup = {name: index.get(name, unserved) for name in primaries}
-        self.owner_of = [unserved if name is None else lookup[name] for name in view.owners]
-        self.generation = view.generation

@@ -14,20 +14,30 @@ the failure is raised by the next call.
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hiredis
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS
 
 from ...errors import StoreError, StoreTimeout, StoreUnavailable
-from ..api import AnsweredAtSend, NodeName
+from ..api import AnsweredAtSend, ConsumerConnection, NodeName
+from ..loop import LoopThread
 from ..protocol.resp import cluster_node_error, pack_gets, unexpected_reply
 from ..transport.blocking import Request
+from .cluster_slots import NO_VIEW, SlotView, key_slots
 from .endpoint import RedisEndpoint
 from .reads import BlockingRespConnection
 
-__all__ = ["BlockingClusterConnection", "Trouble", "UnservedKeys"]
+if TYPE_CHECKING:
+    from .cluster import RedisClusterClient
+
+__all__ = ["BlockingClusterConnection", "ConsumerRoutes", "Trouble", "UnservedKeys"]
+
+logger = logging.getLogger("asynccache")
 
 #: ``trouble(node, redirected)``: the node answered a redirection (True) or could not be
 #: reached or could not serve (False); the slot map may be stale. Called on the consumer
@@ -193,3 +203,120 @@ class UnservedKeys(AnsweredAtSend):
 
     def read(self, keys: Sequence[bytes]) -> list[Any]:
         return self._read(keys)
+
+
+class ConsumerRoutes:
+    """``route(keys)`` for one consumer thread's reader (read-ahead on its own sockets),
+    and its connections: one :class:`BlockingClusterConnection` per primary.
+
+    The map is the one the loop thread's state keeps (redis-py's, as a
+    :class:`SlotView`); each request looks at its generation, and a new one (after a
+    ``MOVED``, a failover, a node that left) is followed there and then: connections of
+    nodes that left the map are closed and given to the nodes that joined it. The list
+    of connections cannot grow once handed out (the source sized its state by it), so it
+    holds spares: twice as many as there are primaries now (at least six). Keys of a
+    slot no node serves, of a node no spare is left for, or all keys while no map could
+    be read yet, go to :class:`UnservedKeys`: the asyncio path reads them (loading the
+    map if need be), and what fails there fails only them.
+    """
+
+    def __init__(self, client: RedisClusterClient, loop: LoopThread) -> None:
+        self.client = client
+        self.loop = loop
+        capacity = 2 * max(len(client.node_names), 3)
+        self.conns: list[ConsumerConnection] = [
+            BlockingClusterConnection(None, f"(spare {i})", self.trouble)
+            for i in range(capacity)]
+        self.unserved = capacity
+        self.conns.append(UnservedKeys(self._unserved_name, self._read_on_loop))
+        self.generation = -1
+        self.owner_of: list[int] = [self.unserved] * REDIS_CLUSTER_HASH_SLOTS
+        self.incomplete = False  # a primary of the map is still without a connection
+
+    def trouble(self, node: str, redirected: bool) -> None:
+        """(Consumer thread.) Ask the loop thread to re-read the map."""
+        try:
+            self.loop.call_soon(self.client._consumer_trouble, redirected)
+        except RuntimeError:  # the loop is closed: nothing to refresh for
+            pass
+
+    def _unserved_name(self) -> str:
+        """Where keys without a connection count their failures: the cluster's URL
+        before any map was read (as the asyncio path reports it), else the slots no
+        node serves."""
+        state = self.client._states.get(self.loop.loop)
+        url = self.client.safe_url
+        if state is None or state.view is NO_VIEW:
+            return url
+        return f"{url} (slots no node serves)"
+
+    def _read_on_loop(self, keys: Sequence[bytes]) -> list[Any]:
+        """(Consumer thread.) ``keys`` read by the asyncio path; raises what failed."""
+        client = self.client
+        budget = client.connect_timeout + 2 * client.timeout + 1
+        try:
+            result = self.loop.call(client.read(list(keys)), budget)
+        except concurrent.futures.TimeoutError as exc:
+            raise StoreTimeout(f"redis cluster {client.safe_url} did not answer within "
+                               f"{budget:g}s") from exc
+        except RuntimeError as exc:  # the loop is closed
+            raise StoreUnavailable(f"redis cluster {client.safe_url}: {exc}") from exc
+        for error in result.failures.values():
+            raise error
+        if result.skipped:  # not skipped here: only the policy skips, before send_get
+            raise StoreError("keys skipped by the cluster client (asynccache bug)")
+        return result.values
+
+    def _view(self) -> SlotView | None:
+        state = self.client._states.get(self.loop.loop)
+        return None if state is None else state.view
+
+    def route(self, keys: Sequence[bytes]) -> list[tuple[int, list[int]]]:
+        view = self._view()
+        if view is not None and (view.generation != self.generation or (
+                self.incomplete and self._any_free(view))):
+            self._follow(view)
+        owner_of = self.owner_of
+        groups: dict[int, list[int]] = {}
+        for position, ci in enumerate([owner_of[slot] for slot in key_slots(keys)]):
+            group = groups.get(ci)
+            if group is None:
+                groups[ci] = [position]
+            else:
+                group.append(position)
+        return list(groups.items())
+
+    def _real(self) -> list[BlockingClusterConnection]:
+        return self.conns[: self.unserved]  # type: ignore[return-value]
+
+    def _any_free(self, view: SlotView) -> bool:
+        return any(c.endpoint is None or (c.node not in view.primaries and not c.pending)
+                   for c in self._real())
+
+    def _follow(self, view: SlotView) -> None:
+        """Connections for the primaries of ``view``, and the slot → connection lookup."""
+        primaries = view.primaries
+        conns = self._real()
+        index = {c.node: ci for ci, c in enumerate(conns)
+                 if c.endpoint is not None and c.node in primaries}
+        free = []
+        for ci, conn in enumerate(conns):
+            if conn.endpoint is None or (conn.node not in primaries and not conn.pending):
+                conn.close()
+                free.append(ci)
+        self.incomplete = False
+        for name, (host, port) in primaries.items():
+            if name in index:
+                continue
+            if not free:
+                self.incomplete = True
+                logger.debug("asynccache: no consumer connection left for cluster node %s",
+                             name)
+                continue
+            ci = free.pop(0)
+            conns[ci].retarget(self.client._endpoint(host, port), name)
+            index[name] = ci
+        unserved = self.unserved
+        lookup = {name: index.get(name, unserved) for name in primaries}
+        self.owner_of = [unserved if name is None else lookup[name] for name in view.owners]
+        self.generation = view.generation
