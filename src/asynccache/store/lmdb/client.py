@@ -74,22 +74,17 @@ helps when the cache is much larger than RAM and read at random), ``max_spare_tx
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
-import mmap
 import os
 import re
 import struct
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
+from dataclasses import asdict
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
-from ... import _fork
 from ...errors import (
-    CacheError,
     ConfigError,
     InvalidURL,
     KeyTooLong,
@@ -100,6 +95,8 @@ from ...errors import (
 )
 from ..api import AnsweredAtSend, ConsumerReads, NodeName, WriteResult
 from ..provider import Provider
+from .damage import EnvironmentDamaged
+from .environment import Settings, session, using, writer
 
 try:
     import lmdb
@@ -161,336 +158,6 @@ def _flag(option: str, value: bool | str) -> bool:
     raise InvalidURL(f"option {option}={value!r} is not true or false")
 
 
-@dataclass(frozen=True)
-class _Settings:
-    path: str
-    map_size: int
-    max_readers: int
-    max_spare_txns: int
-    sync: bool
-    readahead: bool
-
-
-# -- per-process state: environments and the writer thread ----------------------------------
-#: How long a fork waits for this process' LMDB operations in flight to finish, so that
-#: it can close the environments first (see _before_fork).
-FORK_WAIT = 10.0
-
-
-class _Process:
-    """This process' environments (by real path), their users, its writer thread."""
-
-    def __init__(self) -> None:
-        self.envs: dict[str, _Env] = {}
-        self.writer: concurrent.futures.ThreadPoolExecutor | None = None
-        self.idle = threading.Condition(threading.Lock())
-        self.users = 0          # operations between begin and end of their transaction
-        self.forking = False    # a fork is closing the environments: wait
-
-
-_process = _Process()
-
-
-def _before_fork() -> None:
-    """Close every environment before the process forks, once no operation is using one.
-
-    A forked child must not use its parent's environment (its reader slots carry the
-    parent's pid, and it holds none of the parent's file locks), must not close it
-    either (aborting the inherited transactions would free reader slots the parent
-    still uses), and py-lmdb refuses to open the same files again while it is open.
-    So the parent closes them here (new operations wait), the child starts with none,
-    and both reopen on first use. If operations are still running after ``FORK_WAIT``
-    seconds the environments stay open, and the child's LMDB operations fail (counted
-    store errors: values are computed).
-    """
-    proc = _process
-    if not proc.envs:
-        return
-    with proc.idle:
-        proc.forking = True
-        deadline = time.monotonic() + FORK_WAIT
-        while proc.users and (left := deadline - time.monotonic()) > 0:
-            proc.idle.wait(left)
-        if not proc.users:
-            for held in proc.envs.values():
-                held.close()
-            proc.envs.clear()
-
-
-def _after_fork_in_parent() -> None:
-    proc = _process
-    if proc.forking:
-        with proc.idle:
-            proc.forking = False
-            proc.idle.notify_all()
-
-
-def _after_fork_in_child() -> None:
-    global _process
-    _fork.park_inherited(_process)  # its lock may be held, its thread is gone
-    _process = _Process()
-
-
-_fork.at_fork(before=_before_fork, in_parent=_after_fork_in_parent, in_child=_after_fork_in_child)
-
-
-@contextlib.contextmanager
-def _session(settings: _Settings, where: str) -> Iterator[_Env]:
-    """This process' environment for ``settings.path``, opened on first use and checked
-    (:meth:`_Env.check`) each time, counted as in use (a fork waits) until the block
-    ends: begin and end transactions inside it. LMDB's reports of damage inside the
-    block become an :class:`EnvironmentDamaged`, and the environment is not used again
-    in this process."""
-    proc = _process
-    with proc.idle:
-        while proc.forking:
-            proc.idle.wait()
-        held = proc.envs.get(settings.path)
-        if held is None:
-            held = proc.envs[settings.path] = _open(settings, where)
-        proc.users += 1
-    try:
-        held.check()
-        yield held
-    except _DAMAGE as exc:
-        raise held.fail(f"LMDB found it inconsistent ({type(exc).__name__}: {exc})") from exc
-    finally:
-        with proc.idle:
-            proc.users -= 1
-            if not proc.users and proc.forking:
-                proc.idle.notify_all()
-
-
-@contextlib.contextmanager
-def _using(settings: _Settings, where: str) -> Iterator[Any]:
-    """Like :func:`_session`, yielding only the ``lmdb.Environment``."""
-    with _session(settings, where) as held:
-        yield held.env
-
-
-def _open(settings: _Settings, where: str) -> _Env:
-    try:
-        os.makedirs(settings.path, exist_ok=True)
-        env = lmdb.open(settings.path, map_size=settings.map_size,
-                        max_readers=settings.max_readers,
-                        max_spare_txns=settings.max_spare_txns, sync=settings.sync,
-                        metasync=settings.sync, readahead=settings.readahead, lock=True,
-                        subdir=True, create=True)
-    except (OSError, lmdb.Error) as exc:
-        if "already open in this process" in str(exc):
-            raise StoreUnavailable(
-                f"LMDB {where}: this process was forked while its parent was still using "
-                f"the environment (for over {FORK_WAIT:g}s), so it cannot open it; start "
-                "DataLoader workers with multiprocessing_context='spawn' or 'forkserver', "
-                "or fork while no LMDB write is pending") from exc
-        problem = _file_problem(settings.path)
-        if problem is not None or isinstance(exc, _DAMAGE):
-            raise EnvironmentDamaged(_damaged(
-                where, settings.path, problem or f"LMDB refused to open it "
-                f"({type(exc).__name__}: {exc})")) from exc
-        raise StoreUnavailable(
-            f"cannot open the LMDB environment {where}: {exc}; check that the directory "
-            "exists or can be created, and that this user may write it (LMDB needs write "
-            "access for its lock file even to read)") from exc
-    try:
-        env.reader_check()  # reader slots of processes that died (a killed worker)
-    except lmdb.Error:
-        pass
-    try:
-        return _Env(env, settings.path, where)
-    except OSError as exc:
-        env.close()
-        raise StoreUnavailable(f"LMDB {where}: cannot open data.mdb to check it: {exc}; "
-                               "check the directory's permissions") from exc
-
-
-# -- damage: what LMDB does not check -------------------------------------------------------
-class EnvironmentDamaged(StoreUnavailable):
-    """The environment's files are damaged (truncated, overwritten): this process no
-    longer reads or writes it, and the message names the directory to delete."""
-
-
-#: lmdb errors that mean the files are damaged, not that an operation failed (MDB_PANIC
-#: may follow a failed write, a full disk: a plain store error)
-_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError)
-
-#: LMDB 0.9's meta page (mdb.c: a 16-byte page header, then MDB_meta), the fields read:
-#: page number, page flags; magic, data version, map size; the free-page DB's md_pad (the
-#: page size), flags, depth, root; the main DB's flags, depth, root; last page, txnid.
-_META = struct.Struct("<Q2xH4xII8xQIHH32xQ4xHH32xQQQ")
-_META_MAGIC = 0xBEEFC0DE
-_META_VERSION = 1       # MDB_DATA_VERSION of LMDB 0.9
-_P_META = 0x08
-_P_INVALID = (1 << 64) - 1
-_INTEGERKEY = 0x08      # the free-page DB's flags
-_MAX_DEPTH = 32         # CURSOR_STACK
-_KNOWN_FORMAT = lmdb.version()[:2] == (0, 9)
-
-
-def _damaged(where: str, path: str, reason: str) -> str:
-    return (f"LMDB {where} is damaged: {reason}. asynccache no longer reads or writes it in "
-            "this process (values are computed from the source); stop the jobs that use it "
-            f"and delete the directory {path} (the cache is rebuilt as it is used)")
-
-
-class _Env:
-    """An open environment, and the checks that keep its files from killing the process.
-
-    LMDB maps data.mdb into memory and trusts it. It checks what it reads of the B-tree
-    (page types and bounds, leaf values within their page, page numbers below the last
-    page in use), but not that the file still holds those pages: touching one past the
-    end of the file raises SIGBUS. So before each batch :meth:`check` compares the
-    file's size with what both meta pages say is in use and checks the meta pages
-    themselves; damage, once seen (here or by LMDB), is final for this process.
-    """
-
-    def __init__(self, env: Any, path: str, where: str) -> None:
-        self.env = env
-        self.path = path
-        self.where = where
-        self.damage: str | None = None
-        self.metas: mmap.mmap | None = None  # the two meta pages, mapped once checked
-        #: the meta pages' first bytes as last checked, and the size they need
-        self.verified: tuple[bytes, bytes, int] = (b"", b"", 1 << 62)
-        self.fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            head = os.pread(self.fd, _META.size, 0)
-            fields = _META.unpack(head) if len(head) == _META.size else None
-        except OSError:
-            fields = None
-        # the meta pages are parsed only in the format known here; LMDB accepted this file
-        # a moment ago, so a meta page that does not parse means another format
-        self.parse = bool(_KNOWN_FORMAT and fields and fields[2] == _META_MAGIC
-                          and fields[3] == _META_VERSION and _page_size(fields[5]))
-        self.psize = fields[5] if self.parse and fields else mmap.PAGESIZE
-        with contextlib.suppress(CacheError):
-            self.check()  # damage found here is kept, and raised on first use
-
-    def close(self) -> None:
-        self.env.close()
-        if self.metas is not None:
-            self.metas.close()
-        os.close(self.fd)
-
-    def fail(self, reason: str) -> EnvironmentDamaged:
-        """Damage: from now on every use of this environment in this process raises."""
-        if self.damage is None:
-            self.damage = _damaged(self.where, self.path, reason)
-        return EnvironmentDamaged(self.damage)
-
-    def check(self) -> None:
-        """Raise :class:`EnvironmentDamaged` unless data.mdb holds every page in use and
-        both meta pages are sane. Meta pages as already checked, in a file still long
-        enough, cost one ``fstat`` and two 152-byte compares (~1.5 µs); a commit changes
-        them, and they are checked again (~3.5 µs).
-
-        A commit in flight can show a meta page half written, or one newer than the size
-        read first: a failed check is repeated twice before it counts.
-        """
-        if self.damage is not None:
-            raise EnvironmentDamaged(self.damage)
-        try:
-            size = os.fstat(self.fd).st_size
-            meta0, meta1, needed = self.verified
-            metas, psize = self.metas, self.psize
-            if (size >= needed and metas is not None and metas[:_META.size] == meta0
-                    and metas[psize:psize + _META.size] == meta1):
-                return
-            for attempt in range(3):
-                if attempt:
-                    time.sleep(0.001)
-                    size = os.fstat(self.fd).st_size
-                problem = self._inspect(size)
-                if problem is None:
-                    return
-        except (OSError, ValueError) as exc:
-            raise StoreUnavailable(f"LMDB {self.where}: cannot check data.mdb: {exc}; "
-                                   "check the disk") from exc
-        raise self.fail(problem)
-
-    def _inspect(self, size: int) -> str | None:
-        """What is wrong with data.mdb at ``size`` bytes (None: nothing; then remembered
-        in ``verified``, with the size its meta pages need)."""
-        psize = self.psize
-        if size < 2 * psize:
-            return f"data.mdb is {size} bytes, shorter than its two meta pages"
-        if not self.parse:  # another LMDB format: what LMDB says is in use must be there
-            used = (self.env.info()["last_pgno"] + 1) * psize
-            return None if used <= size else (
-                f"data.mdb is {size} bytes but {used} are in use: it was truncated")
-        metas = self.metas
-        if metas is None:
-            metas = self.metas = mmap.mmap(self.fd, 2 * psize, access=mmap.ACCESS_READ)
-        meta0, meta1 = metas[:_META.size], metas[psize:psize + _META.size]
-        problem = _meta_problem(meta0, 0, size, psize) or _meta_problem(meta1, 1, size, psize)
-        if problem is None:
-            self.verified = (meta0, meta1, psize * (1 + max(
-                _META.unpack(meta0)[12], _META.unpack(meta1)[12])))
-        return problem
-
-
-def _meta_problem(meta: bytes, page: int, size: int, psize: int) -> str | None:
-    """What is wrong with ``meta``, the start of meta page ``page``, for a data.mdb of
-    ``size`` bytes; None: nothing."""
-    (pgno, flags, magic, version, _map_size, page_size, free_flags, free_depth, free_root,
-     main_flags, main_depth, main_root, last, _txnid) = _META.unpack(meta)
-    used = (last + 1) * psize
-    if (pgno, flags, magic, version, page_size) != (
-            page, _P_META, _META_MAGIC, _META_VERSION, psize):
-        return f"meta page {page} was overwritten"
-    if used > size:
-        return (f"meta page {page} says {used} bytes are in use, data.mdb holds {size}: "
-                "it was truncated")
-    if not (last >= 1 and free_flags == _INTEGERKEY and main_flags == 0
-            and free_depth <= _MAX_DEPTH and main_depth <= _MAX_DEPTH
-            and (free_root == _P_INVALID or 2 <= free_root <= last)
-            and (main_root == _P_INVALID or 2 <= main_root <= last)):
-        return f"meta page {page} is inconsistent"
-    return None
-
-
-def _page_size(psize: int) -> bool:
-    return 512 <= psize <= 1 << 16 and not psize & (psize - 1)
-
-
-def _file_problem(path: str) -> str | None:
-    """What is wrong with ``path``/data.mdb, read with ``pread`` (never mapped): for when
-    LMDB fails to open it with an error that does not say (a damaged meta page can make
-    it map terabytes: "Cannot allocate memory"). None: nothing found, or no such file."""
-    if not _KNOWN_FORMAT:
-        return None
-    try:
-        fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        size = os.fstat(fd).st_size
-        head = os.pread(fd, _META.size, 0)
-        if len(head) < _META.size:
-            return f"data.mdb is {size} bytes, shorter than its meta pages" if size else None
-        psize = _META.unpack(head)[5]
-        if not _page_size(psize):
-            return "meta page 0 was overwritten"
-        meta1 = os.pread(fd, _META.size, psize)
-        if len(meta1) < _META.size:
-            return f"data.mdb is {size} bytes, shorter than its two meta pages"
-        return _meta_problem(head, 0, size, psize) or _meta_problem(meta1, 1, size, psize)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
-def _writer() -> concurrent.futures.ThreadPoolExecutor:
-    proc = _process
-    if proc.writer is None:
-        with proc.idle:
-            if proc.writer is None:
-                proc.writer = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix="asynccache-lmdb-writer")
-    return proc.writer
-
-
 class LmdbClient(Provider):
     """An LMDB environment in a directory, shared by the processes of one machine."""
 
@@ -524,7 +191,7 @@ class LmdbClient(Provider):
                              f"{max_spare_txns!r} must be whole numbers") from None
         if readers < 1 or spare < 0:
             raise ConfigError("max_readers must be at least 1 and max_spare_txns at least 0")
-        self.settings = _Settings(path=where, map_size=parse_size(map_size),
+        self.settings = Settings(path=where, map_size=parse_size(map_size),
                                   max_readers=readers, max_spare_txns=spare,
                                   sync=_flag("sync", sync),
                                   readahead=_flag("readahead", readahead))
@@ -541,7 +208,7 @@ class LmdbClient(Provider):
     def using(self) -> contextlib.AbstractContextManager[Any]:
         """``with client.using() as env``: this process' environment for the path
         (opened on first use); begin and end transactions inside the block."""
-        return _using(self.settings, self.safe_url)
+        return using(self.settings, self.safe_url)
 
     # -- reads: in the calling thread ---------------------------------------------------
     def read_now(self, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -551,7 +218,7 @@ class LmdbClient(Provider):
         now = time.time()
         out: list[bytes | None] = []
         try:
-            with _session(self.settings, self.safe_url) as held, \
+            with session(self.settings, self.safe_url) as held, \
                     held.env.begin(buffers=True) as txn:
                 get = txn.get
                 for key in keys:
@@ -567,7 +234,7 @@ class LmdbClient(Provider):
     async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         now = time.time()
         try:
-            with _session(self.settings, self.safe_url) as held, \
+            with session(self.settings, self.safe_url) as held, \
                     held.env.begin(buffers=True) as txn:
                 return [_alive(txn.get(key), now) for key in keys]
         except lmdb.Error as exc:
@@ -581,13 +248,13 @@ class LmdbClient(Provider):
     async def _write(self, fn: Callable[[Any], T], what: str) -> T:
         def run() -> T:
             try:
-                with _session(self.settings, self.safe_url) as held, \
+                with session(self.settings, self.safe_url) as held, \
                         held.env.begin(write=True) as txn:
                     return fn(txn)
             except lmdb.Error as exc:
                 raise self._translate(exc, what) from exc
 
-        return await asyncio.get_running_loop().run_in_executor(_writer(), run)
+        return await asyncio.get_running_loop().run_in_executor(writer(), run)
 
     async def set_many(self, mapping: Mapping[bytes, bytes], ttl: float | None = None) -> None:
         if not mapping:
@@ -699,7 +366,7 @@ class LmdbClient(Provider):
                     ) -> list[tuple[bytes, int | None]]:
         out: list[tuple[bytes, int | None]] = []
         try:
-            with _session(self.settings, self.safe_url) as held, \
+            with session(self.settings, self.safe_url) as held, \
                     held.env.begin(buffers=True) as txn, txn.cursor() as cursor:
                 if not cursor.set_range(after or prefix):
                     return out
