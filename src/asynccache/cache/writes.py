@@ -1,4 +1,4 @@
-"""The one write-behind queue of a cache, and the values it has not written yet.
+"""Writes of a cache: now (:meth:`Writer.entries`) or behind, through its one queue.
 
 Any thread queues encoded values (:meth:`WriteQueue.put`); the cache's event loop takes
 them in batches (:meth:`WriteQueue.take`), writes them and reports each batch done
@@ -19,12 +19,25 @@ store is down nothing is kept: a later read computes it again).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import threading
-from collections.abc import Iterable, Mapping
-from typing import NamedTuple
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-__all__ = ["RECENT_KEYS", "Batch", "WriteQueue"]
+from ..errors import DecodeError, StoreError, StoreTimeout
+from ..store.api import NodeName, WriteResult
+from . import chunks
+
+if TYPE_CHECKING:
+    from .core import AsyncKVCache
+
+__all__ = ["RECENT_KEYS", "WRITE_REQUEST_BYTES", "Batch", "WriteQueue", "Writer"]
+
+#: Bytes per write request: a request must fit in ``timeout`` (a 50 MB batch is not one
+#: 1-second request), and reads queue behind less.
+WRITE_REQUEST_BYTES = 8 * 1024 * 1024
 
 #: Keys acknowledged lately that a miss reads again instead of computing. A read-ahead
 #: miss waits in a prefetcher's buffer for at most a window (``4 * prefetch`` items per
@@ -146,3 +159,172 @@ class WriteQueue:
     def unacknowledged(self) -> int:
         """Values queued or in flight."""
         return len(self._unacked)
+
+
+class Writer:
+    """The writes of one :class:`~asynccache.cache.core.AsyncKVCache`: values encoded
+    (any thread), written now or queued behind (the cache's one :class:`WriteQueue`,
+    ``cache.writes``), counted, and read back from the queue on a miss."""
+
+    def __init__(self, cache: AsyncKVCache) -> None:
+        self.cache = cache
+
+    # -- encoding: any thread ------------------------------------------------------------
+    def encode_values(self, mapping: Mapping[bytes, Any]) -> dict[bytes, bytes]:
+        """``{store key: blob}`` for ``{store key: value}``: each value encoded whole, bound
+        to its key. Pure (no I/O, no loop state), so it may run in any thread. Raises
+        :class:`~asynccache.errors.EncodeError` for the user to fix."""
+        cache = self.cache
+        encode = cache.codec.encode
+        blobs = {store_key: encode(value, store_key) for store_key, value in mapping.items()}
+        if cache.l1 is not None:
+            for store_key, blob in blobs.items():
+                cache.l1.put(store_key, blob)  # a computed item reused soon is an L1 hit
+        return blobs
+
+    def entries_for(self, blobs: Mapping[bytes, bytes]) -> dict[bytes, bytes]:
+        """Store-ready entries for encoded values, chunked where over the store's item
+        limit (:func:`asynccache.cache.chunks.split_entries`)."""
+        cache = self.cache
+        entries, chunked = chunks.split_entries(blobs, cache.client.max_value_size,
+                                                cache.codec, cache.chunking)
+        if chunked:
+            cache.counters.shard()["chunked_values"] += chunked
+        return entries
+
+    def encode_entries(self, mapping: Mapping[bytes, Any]) -> dict[bytes, bytes]:
+        """Store-ready ``{store key: blob}`` for ``{store key: value}``, chunked if needed
+        (:meth:`encode_values` then :meth:`entries_for`). Any thread."""
+        return self.entries_for(self.encode_values(mapping))
+
+    # -- now ------------------------------------------------------------------------------
+    async def write_entries(self, entries: Mapping[bytes, bytes], ttl: float | None) -> bool:
+        """Write encoded entries now, in requests of at most WRITE_REQUEST_BYTES.
+
+        True when every entry was written; failures are counted, logged once and, in
+        raise mode, raised (the first of them).
+        """
+        cache = self.cache
+        client, policy = cache.client, cache.policy
+        ok = True
+        first_error: StoreError | None = None
+        for part in _requests(entries, client.max_batch * 4):
+            sent = time.perf_counter_ns()
+            result = await client.write(part, ttl, policy.down())
+            if result.answered or result.failures or result.rejected:
+                cache.histograms.record("write", time.perf_counter_ns() - sent)
+            if not self._count(part, result):
+                ok = False
+                first_error = first_error or next(
+                    iter((*result.failures.values(), *result.rejected.values())), None)
+        if first_error is not None and policy.strict:
+            raise first_error
+        return ok
+
+    def _count(self, part: Mapping[bytes, bytes], result: WriteResult) -> bool:
+        cache = self.cache
+        policy = cache.policy
+        counters = cache.counters.shard()
+        for node in result.answered:
+            policy.succeeded(node)
+        for node, exc in result.failures.items():
+            if isinstance(exc, StoreTimeout) and len(part) == 1:
+                size = len(next(iter(part.values())))
+                exc = StoreTimeout(
+                    f"{exc} — a single {size / 2**20:.1f} MiB value did not fit in "
+                    f"timeout={cache.client.timeout:g}s: raise timeout= in connect() (this "
+                    "value needs more than that at this link's speed) or it is never cached")
+            policy.failed(node, "set", exc)
+        for _key, exc in result.rejected.items():
+            policy.failed(NodeName(cache.client.safe_url), "set", exc)
+        dropped = result.failed_keys + len(result.rejected) + result.skipped
+        counters["writes_dropped"] += dropped
+        if result.written:
+            counters["sets"] += result.written
+            counters["set_batches"] += 1
+            counters["bytes_written"] += sum(len(v) for v in part.values())
+        return dropped == 0
+
+    # -- behind -----------------------------------------------------------------------------
+    def write_later(self, blobs: Mapping[bytes, bytes]) -> bool:
+        """Queue encoded values (``{store key: blob}``) for write-behind, from any thread.
+
+        Until the store acknowledges them, :meth:`recall` hands them back. True when
+        the loop's writer must be started: call :meth:`start` in the cache's loop
+        (``loop.call_soon_threadsafe`` from another thread)."""
+        cache = self.cache
+        wake, dropped = cache.writes.put(blobs, self.entries_for(blobs))
+        if dropped:
+            cache.counters.shard()["writes_dropped"] += dropped
+        return wake
+
+    def write_behind(self, blobs: Mapping[bytes, bytes]) -> None:
+        """:meth:`write_later` from the cache's own loop. :meth:`flush` waits until
+        everything queued so far is written."""
+        self.write_later(blobs)
+        self.start()
+
+    def start(self) -> None:
+        """Start this loop's writer if entries are queued and none is at work (loop)."""
+        cache = self.cache
+        here = cache._loop()
+        if (here.writer is None or here.writer.done()) and len(cache.writes):
+            here.writer = here.spawn(self._drain())
+
+    async def _drain(self) -> None:
+        cache = self.cache
+        writes, max_keys = cache.writes, cache.client.max_batch * 4
+        while (batch := writes.take(max_keys)) is not None:
+            try:
+                await self.write_entries(batch.entries, cache.ttl)
+            except StoreError:
+                pass  # raise mode: counted by the policy; nobody waits on write-behind
+            finally:
+                writes.done(batch)
+
+    async def flush(self) -> None:
+        """Wait for queued write-behind entries to reach the store (or be dropped)."""
+        cache = self.cache
+        here = cache._loop_state
+        if here is None or here.loop is not asyncio.get_running_loop():
+            if not len(cache.writes):
+                return
+            here = cache._loop()
+        self.start()
+        while here.writer is not None and not here.writer.done():
+            await asyncio.shield(here.writer)
+            self.start()  # queued meanwhile by another thread
+
+    def recall(self, store_keys: Sequence[bytes]) -> tuple[dict[bytes, Any], list[bytes]]:
+        """For keys that missed: values this process wrote and the store has not
+        acknowledged (decoded afresh: an object of their own), and the keys acknowledged
+        lately, which the store now holds (read them again rather than compute them).
+        Any thread; only misses ask."""
+        cache = self.cache
+        blobs, again = cache.writes.recall(store_keys)
+        found: dict[bytes, Any] = {}
+        decode = cache.codec.decode
+        for key, blob in blobs.items():
+            try:
+                found[key] = decode(blob, key)
+            except DecodeError:  # bytes this process encoded: cannot happen; be safe
+                again.append(key)
+        if found:
+            cache.counters.shard()["recalled"] += len(found)
+        return found, again
+
+
+def _requests(entries: Mapping[bytes, bytes], max_keys: int) -> Iterator[dict[bytes, bytes]]:
+    """``entries`` cut into requests of at most ``max_keys`` keys and about
+    WRITE_REQUEST_BYTES bytes (a larger single value is a request of its own)."""
+    part: dict[bytes, bytes] = {}
+    size = 0
+    for key, blob in entries.items():
+        n = len(blob)
+        if part and (size + n > WRITE_REQUEST_BYTES or len(part) >= max_keys):
+            yield part
+            part, size = {}, 0
+        part[key] = blob
+        size += n
+    if part:
+        yield part

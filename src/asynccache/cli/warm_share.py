@@ -186,7 +186,7 @@ class _Share:
         if not keys:
             return set()
         blobs = await self.client.get_many(keys)
-        values, manifests, _nbytes = self.cache.decode_blobs(keys, blobs)
+        values, manifests, _nbytes = self.cache.reads.decode(keys, blobs)
         found = {key for key, value in zip(keys, values)
                  if value is not MISSING and type(value) is not Failed}
         if manifests:
@@ -204,7 +204,7 @@ class _Share:
         items = 0
         for index, key in todo:
             try:
-                entries.update(self.cache.encode_entries({key: self.dataset[index]}))
+                entries.update(self.cache.writer.encode_entries({key: self.dataset[index]}))
             except EncodeError as exc:
                 self.count(FAILED, 1)
                 self.complain(f"item {index!r} cannot be stored: {exc}")

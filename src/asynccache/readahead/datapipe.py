@@ -490,7 +490,7 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         out = []
         for index, value in zip(indices, values):
             if index in seen:
-                value = rt.cache.copy_of(self.key_for(index), value)
+                value = rt.cache.reads.copy_of(self.key_for(index), value)
             else:
                 seen.add(index)
             out.append(value)

@@ -352,7 +352,7 @@ class CachedMapper(BaseNode[T]):
         """A miss in a worker thread: computed and encoded there (both off the consumer)."""
         value = self.map_fn(entry.item)
         rt = self._runtime()
-        return value, rt.cache.encode_values({entry.key: value})
+        return value, rt.cache.writer.encode_values({entry.key: value})
 
     def _value_of(self, entry: _Entry, rt: _NodeRuntime, reads: ReadSource) -> Any:
         ticket = entry.ticket
@@ -394,12 +394,12 @@ class CachedMapper(BaseNode[T]):
         rt.cache.counters.add("computed", 1)
         if entry.future is None:
             value = self.map_fn(entry.item)
-            rt.queue_writes(rt.cache.encode_values({entry.key: value}))
+            rt.queue_writes(rt.cache.writer.encode_values({entry.key: value}))
             return value
         self._counts["computed_ahead"] += 1
         result = entry.future.result()
         if self.method == "process":
-            rt.queue_writes(rt.cache.encode_values({entry.key: result}))
+            rt.queue_writes(rt.cache.writer.encode_values({entry.key: result}))
             return result
         value, blobs = result
         rt.queue_writes(blobs)

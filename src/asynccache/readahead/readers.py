@@ -37,6 +37,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
+from ..cache import chunks
 from ..cache.core import AsyncKVCache
 from ..errors import CacheError, LoopError, StoreError
 from ..store.api import NOT_READ, ConsumerReads
@@ -289,10 +290,10 @@ class SocketSource(ReadSource):
 
     def _finish(self, ticket: Ticket) -> None:
         cache = self.cache
-        values, manifests, ticket.nbytes = cache.decode_blobs(ticket.keys, ticket.values)
+        values, manifests, ticket.nbytes = cache.reads.decode(ticket.keys, ticket.values)
         if manifests:  # chunked values: their chunks come through the core's loop
             try:
-                self.loop.call(cache.resolve_chunks(ticket.keys, manifests, values),
+                self.loop.call(chunks.resolve(cache.reads, ticket.keys, manifests, values),
                                cache.client.timeout * 2 + 1)
             except (concurrent.futures.TimeoutError, CacheError):
                 pass  # the chunked values stay misses; the core counted what failed
@@ -333,7 +334,7 @@ class LoopSource(ReadSource):
         values: list[Any] | None = None
         try:
             sizes: list[int] = []
-            values, ticket.error = await self.cache.read_values(ticket.keys, sizes)
+            values, ticket.error = await self.cache.reads.values(ticket.keys, sizes)
             ticket.nbytes = sum(sizes)
         except CacheError as exc:  # e.g. a key the policy refused; never lose the ticket
             ticket.error = exc
@@ -398,7 +399,7 @@ class L1Source(ReadSource):
         self.rest: dict[int, Ticket] = {}  # id(ticket) -> the ticket reading its misses
 
     def submit(self, ticket: Ticket) -> None:
-        values, missing = self.cache.from_l1(ticket.keys)
+        values, missing = self.cache.reads.from_l1(ticket.keys)
         if not missing:
             ticket.values = values
             ticket.done = True

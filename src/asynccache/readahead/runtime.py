@@ -203,7 +203,7 @@ class CacheRuntime:
             return computed
         computed = {key: fn(item) for key, item in wanted.items()}
         self.cache.counters.add("computed", len(computed))
-        blobs = self.cache.encode_values(computed)
+        blobs = self.cache.writer.encode_values(computed)
         computed.update(found)
         if visible == "next":
             self.settle()  # the previous batch's writes: long done by now, normally
@@ -219,12 +219,12 @@ class CacheRuntime:
         """Values of keys that missed but that this process wrote lately: from the write
         queue while the store has not acknowledged them (decoded afresh), else read again
         from the store (a read-ahead miss may predate the write). Only misses ask."""
-        found, again = self.cache.recall(list(keys))
+        found, again = self.cache.writer.recall(list(keys))
         if again:
             try:
                 # a second look: damaged bytes were counted by the read that missed
                 values, _error = self.loop.call(
-                    self.cache.read_values(again, second_look=True), self.client.timeout * 2 + 1)
+                    self.cache.reads.values(again, second_look=True), self.client.timeout * 2 + 1)
             except (concurrent.futures.TimeoutError, CacheError):
                 values = []
             reread = {key: value for key, value in zip(again, values) if is_value(value)}
@@ -242,7 +242,7 @@ class CacheRuntime:
 
     def _compute_once(self, wanted: Mapping[bytes, Any],
                       fn: Callable[[Any], Any]) -> dict[bytes, Any]:
-        """Claim the keys (:meth:`~asynccache.cache.core.AsyncKVCache.claim`), compute and write
+        """Claim the keys (:meth:`~asynccache.cache.leases.Leases.claim`), compute and write
         what is ours, wait for the others' values; a lease that frees up while waiting
         (its holder died) is ours."""
         cache, loop = self.cache, self.loop
@@ -251,7 +251,7 @@ class CacheRuntime:
         request = self.client.timeout
         keys = list(wanted)
         try:
-            found, mine, theirs = loop.call(cache.claim(keys), request * 4 + 1)
+            found, mine, theirs = loop.call(cache.leases.claim(keys), request * 4 + 1)
         except concurrent.futures.TimeoutError:
             found, mine, theirs = {}, keys, []
         computed = self._compute_mine({k: wanted[k] for k in mine}, fn)
@@ -259,7 +259,7 @@ class CacheRuntime:
         if theirs:
             lease = self.lease or 0.0
             try:
-                found, mine = loop.call(cache.wait_for_values(theirs),
+                found, mine = loop.call(cache.leases.wait_for_values(theirs),
                                         lease + self.client.expiry_slack + request * 6 + 1)
             except concurrent.futures.TimeoutError:
                 found, mine = {}, theirs
@@ -273,7 +273,7 @@ class CacheRuntime:
             return {}
         computed = {key: fn(item) for key, item in wanted.items()}
         self.cache.counters.add("computed", len(computed))
-        entries = self.cache.encode_entries(computed)
+        entries = self.cache.writer.encode_entries(computed)
         try:
             self.loop.call(self._write_then_release(entries, list(computed)),
                            self.client.timeout * 3 + 1)
@@ -287,13 +287,13 @@ class CacheRuntime:
             await self.cache.write_entries(entries)
         except StoreError:
             pass  # raise mode: counted by the policy; write-back never raises
-        await self.cache.release_leases(keys)
+        await self.cache.leases.release(keys)
 
     # -- writes ------------------------------------------------------------------------
     def queue_writes(self, blobs: Mapping[bytes, bytes]) -> None:
         """Write encoded values behind (``{store key: blob}``); any thread."""
-        if self.cache.write_later(blobs):
-            self.loop.call_soon(self.cache.start_writer)
+        if self.cache.writer.write_later(blobs):
+            self.loop.call_soon(self.cache.writer.start)
 
     def flush(self, timeout: float) -> None:
         """Wait until queued writes are in the store (bounded); never raises for it."""
