@@ -24,7 +24,7 @@ from typing import Any as _Any
 
 from ._torch import register_functional as _register_functional
 from ._torch import when_imported as _when_imported
-from .cache.codec.codec import Codec
+from .cache.codec import Codec
 from .cache.core import AsyncKVCache
 from .cache.markers import MISSING
 from .errors import (

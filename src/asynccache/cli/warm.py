@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Any
 
-from ..cache.codec.codec import Codec
+from ..cache.codec import Codec
 from ..cache.keys import namespace_prefix
 from ..errors import StoreError
 from ._common import (

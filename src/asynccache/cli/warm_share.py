@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..cache.codec.codec import MAX_MANIFEST_BLOB, Codec
+from ..cache.codec import MAX_MANIFEST_BLOB, Codec
 from ..cache.core import AsyncKVCache
 from ..cache.keys import chunk_keys
 from ..cache.markers import MISSING, Failed

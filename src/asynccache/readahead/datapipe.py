@@ -45,7 +45,7 @@ from typing import Any
 
 from .. import _fork
 from .._fork import park_inherited
-from ..cache.codec.codec import Codec
+from ..cache.codec import Codec
 from ..cache.core import AsyncKVCache, OnError, check_settings
 from ..cache.expiry import check_ttl
 from ..cache.keys import Keyspace

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from .. import _fork
-from ..cache.codec.codec import Codec
+from ..cache.codec import Codec
 from ..cache.core import AsyncKVCache, OnError
 from ..cache.keys import Keyspace
 from ..cache.markers import is_value

@@ -1,53 +1,10 @@
 """The pickle-free payload of ``Codec(allow_pickle=False)``: MessagePack plus raw buffers.
 
-Decoding runs no code named by the stored bytes: MessagePack is a data-only format whose
-parser (msgpack's C extension) bounds every length it reads by the input size and its
-nesting depth at 1024, and the few extension types below are parsed here with explicit
-checks. Nothing in this module imports or calls :mod:`pickle`.
-
-Why MessagePack and not a format of our own or safetensors' layout: the structure of a
-sample (dicts, lists, small ints, strings) is parsed in C. Measured on a list of 100 small
-ints: msgpack decodes it in ~1.5 µs, pickle in ~1.8 µs, a minimal tag-length-value parser
-written in Python in ~19 µs. safetensors' layout (a JSON header, then raw tensors) only
-stores a flat dict of tensors; its idea is kept for the tensors and arrays, which never go
-through MessagePack: like the pickle path they are out-of-band buffers (16-byte aligned,
-copied once on decode), named by a small descriptor (dtype code, shape, buffer index).
-
-What is stored (types are kept exactly: ``tuple`` stays ``tuple``, ``bool`` stays
-``bool``, ``-0.0`` and NaN stay themselves):
-
-* ``None``, ``bool``, ``float`` (float64), ``str`` (UTF-8), ``bytes``: MessagePack's own.
-  (``bytearray`` and ``memoryview``, which msgpack packs before asking this module, are
-  stored as ``bytes`` and come back as ``bytes``; so are msgpack's own ``ExtType`` and
-  ``Timestamp`` objects packed as MessagePack defines them.)
-* ``int`` of any size: MessagePack's integers within -2**63 .. 2**64-1, outside that
-  ext 4 (two's complement, little endian).
-* ``list`` and ``dict``: MessagePack arrays and maps. Dict keys are any of these types
-  that Python can hash (scalars, tuples of them). Nesting: at most 1024 containers
-  deep (msgpack's limit on both sides: encode refuses deeper, decode refuses it too).
-  Shared sub-objects are stored once per reference (no memo), so a value that contains
-  itself cannot be encoded.
-* ``tuple``: an array whose first element is ext 1 with no data (the tuple marker).
-* numpy arrays (bool, int/uint 8-64, float 16-64, complex 64/128): ext 2 descriptor
-  ``<BBI`` dtype code, ndim, buffer index, then ndim ``<Q`` dims; the values are buffer
-  ``index``, little endian, C order. Strides, byte order and Fortran order are not
-  kept (a view decodes as its contiguous values); subclasses are refused.
-* numpy scalars (``numpy.float32(1)``, ...): ext 5, dtype code + the value's bytes.
-* CPU torch tensors of every dtype in ``_TORCH_DTYPES`` (bool, ints, floats incl.
-  bfloat16 and float8, complex): ext 3 with the same descriptor as arrays. Contiguous
-  values only: strides, storage sharing and conj/neg views are not kept.
-
-Anything else raises :class:`EncodeError` naming the conversion to apply.
-
-Hostile input (a forger without a secret can seal any payload with a valid checksum):
-every length MessagePack reads is bounded by the stream (it refuses an array, map, str,
-bin or ext claiming more), and nesting by its 1024-deep stack. Each array descriptor is
-checked (known dtype code, at most 64 dims, exact length, buffer present and not used
-before, shape times itemsize equal to the buffer's length, in Python ints) before an
-array is made over the buffer, which allocates nothing more. Every buffer must be used,
-and a tuple marker anywhere but first in an array is refused. MessagePack's built-in
-timestamp extension (never written) decodes as an int of nanoseconds. Every failure is a
-:class:`DecodeError`.
+Decoding runs no code named by the stored bytes: MessagePack is a data-only format parsed
+in C with every length bounded, and the few extension types (tuples, big ints, numpy
+arrays and scalars, CPU torch tensors) are parsed here with explicit checks. Nothing in
+this module imports or calls :mod:`pickle`. What is stored, and why MessagePack:
+docs/formats.md.
 """
 
 from __future__ import annotations
