@@ -18,7 +18,7 @@ import pytest
 from redis.crc import key_slot
 
 import asynccache as ac
-from asynccache.readahead.readers import SocketSource
+from asynccache.readahead.readers import SocketReader
 from asynccache.store.api import NOT_READ
 from asynccache.store.redis.cluster import RedisClusterClient
 from asynccache.store.redis.cluster_reads import BlockingClusterConnection
@@ -442,9 +442,9 @@ async def test_a_batch_with_several_keys_per_slot_reads_them_in_order(
 
 
 # -- consumer-side reads (dp[i] on the consumer's own sockets) ----------------------------
-def consumer_source(pipe: ac.AsyncKVCacheMapDataPipe) -> SocketSource:
-    source = pipe._runtime().prefetcher().source
-    assert isinstance(source, SocketSource), f"dp[i] reads through {type(source).__name__}"
+def consumer_source(pipe: ac.AsyncKVCacheMapDataPipe) -> SocketReader:
+    source = pipe._runtime().prefetcher().reader
+    assert isinstance(source, SocketReader), f"dp[i] reads through {type(source).__name__}"
     return source
 
 

@@ -94,9 +94,9 @@ def _map_style(obj: Any) -> bool:
 
 def indices_of(dataset: Any) -> Sequence[Any]:
     """What a pipe over ``dataset`` is indexed by: a mapping's keys, else 0..len-1."""
-    from ..readahead.datapipe import _mapping_behind
+    from ..readahead.order import mapping_behind
 
-    mapping = _mapping_behind(dataset)
+    mapping = mapping_behind(dataset)
     return list(mapping.keys()) if mapping is not None else range(len(dataset))
 
 

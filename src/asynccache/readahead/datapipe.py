@@ -33,27 +33,28 @@ Keys: ``key_for(i) == b"ac:" + namespace + b":" + str(i)`` for an int index.
 
 from __future__ import annotations
 
-import copy
 import operator
 import os
 import secrets
-import sys
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from .. import _fork
 from .._fork import park_inherited
 from ..cache.codec import Codec
-from ..cache.core import AsyncKVCache, OnError, check_settings
+from ..cache.core import OnError, check_settings
 from ..cache.expiry import check_ttl
 from ..cache.keys import Keyspace
 from ..cache.markers import MISSING
 from ..errors import ClosedError, ConfigError
+from ..observe.stats import CORE_COUNTERS
 from ..store.api import BaseClient
-from .prefetch import DEFAULT_PREFETCH_BYTES, Prefetcher
-from .runtime import CacheRuntime, Reports
+from . import order as orders
+from .prefetch import Prefetcher
+from .runtime import ProcessRuntime, Reports
+from .window import DEFAULT_PREFETCH_BYTES
 
 try:  # torch is optional: without it the class is a plain map-style wrapper
     from torch.utils.data import MapDataPipe as _Base
@@ -66,10 +67,6 @@ __all__ = ["AsyncKVCacheMapDataPipe"]
 
 #: How long close() / worker exit may spend flushing pending writes, in seconds.
 CLOSE_TIMEOUT = 10.0
-#: Attributes through which a datapipe chain or wrapper reaches what it wraps.
-_WRAPPED = ("datapipe", "sequence", "dataset", "source")
-
-
 _runtime_lock = threading.Lock()
 
 
@@ -81,69 +78,7 @@ def _new_runtime_lock() -> None:
 _fork.at_fork(in_child=_new_runtime_lock)
 
 
-def _mapping_behind(source: Any) -> Mapping[Any, Any] | None:
-    """The mapping a source (or the datapipe chain it ends) is keyed by, if any."""
-    node, seen = source, 0
-    while node is not None and seen < 16:
-        if isinstance(node, Mapping):
-            return node
-        node = next((getattr(node, a) for a in _WRAPPED if hasattr(node, a)), None)
-        seen += 1
-    return None
-
-
-def _as_list(order: Iterable[Any]) -> list[Any]:
-    """An order's items as a list: arrays and tensors through ``tolist()`` (plain ints)."""
-    tolist = getattr(order, "tolist", None)
-    items = tolist() if callable(tolist) else list(order)
-    return items if isinstance(items, list) else [items]
-
-
-def _worker_info() -> Any:
-    """torch's DataLoader worker info in a worker process, else None."""
-    get = getattr(sys.modules.get("torch.utils.data"), "get_worker_info", None)
-    return get() if get is not None else None
-
-
-def _one_pass(order: Iterable[Any]) -> list[Any]:
-    """One epoch of ``order``.
-
-    In a DataLoader worker the worker's own copy of the order is iterated: the worker was
-    made (forked, or unpickled) from the parent's state just before the parent draws the
-    epoch's permutation from the same generator, so both draw the same one, epoch after
-    epoch (with persistent workers too). Anywhere else a *detached* copy is iterated, so
-    that asking for the plan never advances the user's sampler or torch's global random
-    state: the cache must not change the training order.
-    """
-    if _worker_info() is not None:
-        return _as_list(order)
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return _as_list(order)
-    state = torch.get_rng_state()  # a sampler without a generator draws from it
-    try:
-        return _as_list(_detached(order, torch))
-    finally:
-        torch.set_rng_state(state)
-
-
-def _detached(order: Any, torch: Any) -> Any:
-    """A shallow copy of a sampler (and of the sampler it wraps) with cloned generators."""
-    generator = getattr(order, "generator", None)
-    inner = getattr(order, "sampler", None)
-    if not isinstance(generator, torch.Generator) and inner is None:
-        return order
-    clone = copy.copy(order)
-    if isinstance(generator, torch.Generator):
-        twin = torch.Generator(device=generator.device)
-        twin.set_state(generator.get_state())
-        clone.generator = twin
-    if inner is not None and inner is not order:
-        clone.sampler = _detached(inner, torch)
-    return clone
-
-
-class _Runtime(CacheRuntime):
+class PipeRuntime(ProcessRuntime):
     """A pipe's runtime: the shared parts plus one prefetcher per consumer thread."""
 
     def __init__(self, pipe: AsyncKVCacheMapDataPipe) -> None:
@@ -178,11 +113,11 @@ class _Runtime(CacheRuntime):
 
     def _new_prefetcher(self) -> Prefetcher:
         pipe = self.pipe
-        source = self.new_source()
+        reader = self.new_reader()
         length = None if pipe._mapping is not None else self.length
         # prefetch is per node: a batch spread over a cluster's or a pool's nodes keeps
         # each node's share as large as one server's (the bytes bound still holds)
-        p = Prefetcher(source, pipe.keyspace.key, length, pipe.prefetch * source.fanout,
+        p = Prefetcher(reader, pipe.keyspace.key, length, pipe.prefetch * reader.fanout,
                        self.cache.policy.strict, pipe.prefetch_bytes)
         p.follow_order = pipe._follow_order
         p.stale_order = True  # its first read follows the pipe's order
@@ -227,7 +162,7 @@ class _Runtime(CacheRuntime):
             prefetchers = [p for _ref, p in self.prefetchers]
         for p in prefetchers:
             p.close()
-        self.finish(close=True, timeout=timeout, sources=[p.source for p in prefetchers])
+        self.finish(close=True, timeout=timeout, readers=[p.reader for p in prefetchers])
 
 
 class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
@@ -313,16 +248,16 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         self.on_error: OnError = on_error
         self.lease = lease
         self.l1_bytes = l1_bytes
-        self._mapping = _mapping_behind(source)
+        self._mapping = orders.mapping_behind(source)
         self.order = self._check_order(order)
         self._reports = Reports(secrets.token_hex(8), self.namespace)
         self._reports.bind(self)
-        self._rt: _Runtime | None = None
+        self._rt: PipeRuntime | None = None
         #: this process's final counters once close() ran (then any read is an error)
         self._closed: dict[str, int] | None = None
 
     # -- runtime ---------------------------------------------------------------------------
-    def _runtime(self) -> _Runtime:
+    def _runtime(self) -> PipeRuntime:
         rt = self._rt
         if rt is not None and rt.current():
             return rt
@@ -334,7 +269,7 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
             if rt is None or not rt.current():
                 if rt is not None:
                     park_inherited(rt)  # the parent's prefetchers, sockets and locks
-                rt = self._rt = _Runtime(self)
+                rt = self._rt = PipeRuntime(self)
                 rt.loop.add_shutdown_hook(self)
         return rt
 
@@ -404,7 +339,7 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
             raise ConfigError(f"order contains an index this dataset does not have: "
                               f"{exc}") from exc
 
-    def _process_plan(self, items: list[Any], rt: _Runtime) -> list[Any]:
+    def _process_plan(self, items: list[Any], rt: PipeRuntime) -> list[Any]:
         """This process's plan from one pass over the order.
 
         In a DataLoader worker it is the worker's share: the DataLoader hands batches to
@@ -413,7 +348,7 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         order cut into batches of the size of the first ``__getitems__`` call.
         """
         batches: list[Any] | None = items if items and type(items[0]) is list else None
-        worker = _worker_info()
+        worker = orders.worker_info()
         if worker is not None and batches is None and rt.batch_size:
             size = rt.batch_size
             batches = [items[i:i + size] for i in range(0, len(items), size)]
@@ -430,7 +365,7 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
             return
 
         def next_epoch() -> list[Any]:
-            rt.drawn = _one_pass(order)
+            rt.drawn = orders.one_pass(order)
             return self._process_plan(rt.drawn, rt)
 
         p.follow(next_epoch(), next_epoch)
@@ -458,7 +393,7 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         p = rt.prefetcher()
         if rt.batch_size is None:
             rt.batch_size = len(indices)
-            if rt.drawn is not None and _worker_info() is not None:
+            if rt.drawn is not None and orders.worker_info() is not None:
                 # a flat order in a DataLoader worker: now its share can be cut out
                 plan, replan = self._process_plan(rt.drawn, rt), p.replan
                 if replan is not None:
@@ -483,7 +418,7 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
             values = self._own_objects(indices, values, rt)
         return values
 
-    def _own_objects(self, indices: list[Any], values: list[Any], rt: _Runtime) -> list[Any]:
+    def _own_objects(self, indices: list[Any], values: list[Any], rt: PipeRuntime) -> list[Any]:
         """A batch that holds an index more than once (a sampler with replacement): every
         position after the first gets a copy of its own, decoded afresh."""
         seen: set[Any] = set()
@@ -496,9 +431,9 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
             out.append(value)
         return out
 
-    def _compute(self, indices: list[Any], rt: _Runtime,
+    def _compute(self, indices: list[Any], rt: PipeRuntime,
                  visible: str = "queued") -> dict[Any, Any]:
-        """Compute misses in this thread and write them back (see CacheRuntime.compute)."""
+        """Compute misses in this thread and write them back (see ProcessRuntime.compute)."""
         wanted = {self.key_for(i): i for i in dict.fromkeys(indices)}
         computed = rt.compute(wanted, self.source.__getitem__, visible=visible)
         return {wanted[key]: value for key, value in computed.items()}
@@ -506,7 +441,7 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
     def __iter__(self) -> Iterator[Any]:
         rt = self._runtime()
         if self.order is not None:
-            plan: Sequence[Any] = self._plan_from(_one_pass(self.order))
+            plan: Sequence[Any] = self._plan_from(orders.one_pass(self.order))
         elif self._mapping is not None:
             plan = list(self._mapping.keys())
         else:
@@ -545,7 +480,7 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
     def _local_stats(self) -> dict[str, int]:
         rt = self._rt
         if rt is None or not rt.current():  # nothing happened in this process yet
-            return {**AsyncKVCache(self.client, self.keyspace).stats(),
+            return {**dict.fromkeys(CORE_COUNTERS, 0),
                     **Prefetcher.zero_counts(), "computed": 0}
         return rt.stats()
 

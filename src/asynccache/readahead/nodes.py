@@ -41,15 +41,16 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .. import _fork
 from .._fork import park_inherited
 from ..cache.codec import Codec
-from ..cache.core import AsyncKVCache, OnError, check_settings
+from ..cache.core import OnError, check_settings
 from ..cache.expiry import check_ttl
 from ..cache.keys import Keyspace
 from ..cache.markers import MISSING, NOT_READ, Failed
 from ..errors import ClosedError, ConfigError, MissingDependency
+from ..observe.stats import CORE_COUNTERS
 from ..store.api import BaseClient
-from .prefetch import DEFAULT_PREFETCH_BYTES, WINDOW_GROWTH, WindowSizer
-from .readers import ReadSource, Ticket
-from .runtime import CacheRuntime, Reports
+from .readers import Reader, Ticket
+from .runtime import ProcessRuntime, Reports
+from .window import DEFAULT_PREFETCH_BYTES, WINDOW_GROWTH, WindowSizer
 
 try:
     from torchdata.nodes import BaseNode, Loader
@@ -85,26 +86,27 @@ class _Entry:
         self.future: concurrent.futures.Future[Any] | None = None
 
 
-class _NodeRuntime(CacheRuntime):
-    """A node's runtime: the shared parts, the read source of the thread that drives the
-    node (a new thread — a new epoch of a torchdata Prefetcher — gets a new one), and the
-    pool that computes misses."""
+class NodeRuntime(ProcessRuntime):
+    """A node's runtime: the shared parts, the reader of the thread that drives the node
+    (a new thread — a new epoch of a torchdata Prefetcher — gets a new one), and the pool
+    that computes misses."""
 
     def __init__(self, node: CachedMapper[Any]) -> None:
         super().__init__(node.client, node.keyspace, node.ttl, node.codec, node.on_error,
                          None, node._reports, node.l1_bytes, self.stats)
         self.node = node
-        self.source: ReadSource | None = None
+        self.reader: Reader | None = None
         self.thread = 0
         self.pool: concurrent.futures.Executor | None = None
 
-    def reads(self) -> ReadSource:
+    def thread_reader(self) -> Reader:
+        """The reader of the calling thread (made anew when another thread drives the node)."""
         ident = threading.get_ident()
-        if self.source is None or self.thread != ident:
-            if self.source is not None:
-                self.source.close()
-            self.source, self.thread = self.new_source(), ident
-        return self.source
+        if self.reader is None or self.thread != ident:
+            if self.reader is not None:
+                self.reader.close()
+            self.reader, self.thread = self.new_reader(), ident
+        return self.reader
 
     def executor(self) -> concurrent.futures.Executor | None:
         node = self.node
@@ -129,12 +131,12 @@ class _NodeRuntime(CacheRuntime):
         return total
 
     def close(self, timeout: float) -> None:
-        sources = [self.source] if self.source is not None else []
-        for source in sources:
-            source.close()
+        readers = [self.reader] if self.reader is not None else []
+        for reader in readers:
+            reader.close()
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
-        self.finish(close=True, timeout=timeout, sources=sources)
+        self.finish(close=True, timeout=timeout, readers=readers)
 
 
 def _map_only(map_fn: Callable[[Any], Any], item: Any) -> Any:
@@ -222,7 +224,7 @@ class CachedMapper(BaseNode[T]):
         growth = WINDOW_GROWTH if prefetch > 0 else 1  # 0: one item at a time
         self._sizer = WindowSizer(self._prefetch, prefetch_bytes, growth)
         self._window, self._batch = self._sizer.window, self._sizer.batch
-        self._rt: _NodeRuntime | None = None
+        self._rt: NodeRuntime | None = None
         self._ahead: collections.deque[_Entry] = collections.deque()
         self._unsent: list[_Entry] = []
         self._exhausted = False
@@ -239,13 +241,13 @@ class CachedMapper(BaseNode[T]):
             raise ClosedError(f"{self!r} was used after close(): build a new node (its "
                               "stats() still gives this one's final counters)")
 
-    def _runtime(self) -> _NodeRuntime:
+    def _runtime(self) -> NodeRuntime:
         rt = self._rt
         if rt is None or not rt.current():
             self._check_open()
             if rt is not None:
                 park_inherited(rt)
-            rt = self._rt = _NodeRuntime(self)
+            rt = self._rt = NodeRuntime(self)
         return rt
 
     def __getstate__(self) -> dict[str, Any]:
@@ -281,13 +283,13 @@ class CachedMapper(BaseNode[T]):
 
     def next(self) -> T:
         rt = self._runtime()
-        reads = rt.reads()
-        self._fill(reads)
+        reader = rt.thread_reader()
+        self._fill(reader)
         if not self._ahead:
             rt.flush(EPOCH_FLUSH_TIMEOUT)  # epoch 1's values are there for epoch 2
             raise StopIteration
         entry = self._ahead.popleft()
-        value = self._value_of(entry, rt, reads)
+        value = self._value_of(entry, rt, reader)
         if entry.state is not None:
             self._snapshot, self._since = entry.state, 0
         else:
@@ -295,7 +297,7 @@ class CachedMapper(BaseNode[T]):
         return value  # type: ignore[no-any-return]
 
     # -- read-ahead ----------------------------------------------------------------------------
-    def _fill(self, reads: ReadSource) -> None:
+    def _fill(self, reader: Reader) -> None:
         """Pull items until ``prefetch`` are ahead; send their reads a batch at a time."""
         ahead = self._ahead
         while not self._exhausted and len(ahead) < self._window:
@@ -311,17 +313,17 @@ class CachedMapper(BaseNode[T]):
             ahead.append(entry)
             self._unsent.append(entry)
             if len(self._unsent) >= self._batch:
-                self._send(reads)
+                self._send(reader)
         if self._unsent and (self._exhausted or ahead[0].ticket is None):
-            self._send(reads)  # the next item must be asked for now
+            self._send(reader)  # the next item must be asked for now
 
-    def _send(self, reads: ReadSource) -> None:
+    def _send(self, reader: Reader) -> None:
         entries, self._unsent = self._unsent, []
         ticket = Ticket(entries, [e.key for e in entries])
         for position, entry in enumerate(entries):
             entry.ticket, entry.position = ticket, position
-        reads.submit(ticket)
-        self._arrived(reads.poll())
+        reader.submit(ticket)
+        self._arrived(reader.poll())
 
     def _arrived(self, tickets: list[Ticket]) -> None:
         """Completed reads: their sizes set the window; their misses go to the workers at
@@ -354,22 +356,22 @@ class CachedMapper(BaseNode[T]):
         rt = self._runtime()
         return value, rt.cache.writer.encode_values({entry.key: value})
 
-    def _value_of(self, entry: _Entry, rt: _NodeRuntime, reads: ReadSource) -> Any:
+    def _value_of(self, entry: _Entry, rt: NodeRuntime, reader: Reader) -> Any:
         ticket = entry.ticket
         assert ticket is not None
         counts = self._counts
         if not ticket.done:
-            self._arrived(reads.poll())
+            self._arrived(reader.poll())
         if ticket.done:
             counts["prefetch_hits"] += 1
         else:
             counts["stalls"] += 1
             started = time.perf_counter()
-            if not reads.wait(ticket):
+            if not reader.wait(ticket):
                 ticket.abandoned = True
                 counts["stall_timeouts"] += 1
             counts["stall_us"] += int((time.perf_counter() - started) * 1e6)
-            self._arrived(reads.poll())
+            self._arrived(reader.poll())
         value = MISSING if ticket.abandoned else ticket.values[entry.position]
         if value is NOT_READ:
             if self._strict and ticket.error is not None:
@@ -383,7 +385,7 @@ class CachedMapper(BaseNode[T]):
         counts["misses"] += 1
         return self._computed(entry, rt)
 
-    def _computed(self, entry: _Entry, rt: _NodeRuntime) -> Any:
+    def _computed(self, entry: _Entry, rt: NodeRuntime) -> Any:
         """A miss: a value this process wrote lately (read your writes: the source may
         yield an item twice), else its worker's result or computed here, written back."""
         found = rt.recall([entry.key])
@@ -425,7 +427,7 @@ class CachedMapper(BaseNode[T]):
         if self._closed is not None:
             local = dict(self._closed)
         elif rt is None or not rt.current():
-            local = AsyncKVCache(self.client, self.keyspace).stats()
+            local = dict.fromkeys(CORE_COUNTERS, 0)
             local.setdefault("computed", 0)
             for name, value in self._counts.items():
                 local[name] = local.get(name, 0) + value

@@ -2,7 +2,7 @@
 
 It holds only three things — the **plan** (which indices come next), the **window**
 (what has been requested and is in flight), and the **ready** buffer (values that
-arrived) — and does no I/O itself: reads go to a :class:`~asynccache.readahead.readers.ReadSource`
+arrived) — and does no I/O itself: reads go to a :class:`~asynccache.readahead.readers.Reader`
 (the consumer's own socket, or the loop thread), which hands back completed tickets.
 The failure policy lives in the core; here only one decision is made: what the
 consumer sees.
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import operator
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,11 +40,10 @@ from typing import Any
 from .._sentinel import Sentinel
 from ..cache.markers import MISSING, NOT_READ, Failed
 from ..errors import CacheError, StoreTimeout
-from .readers import ReadSource, Ticket
+from .readers import Reader, Ticket
+from .window import BOUNDED_REQUEST_BYTES, DEFAULT_PREFETCH_BYTES, WindowSizer
 
-__all__ = ["DEFAULT_PREFETCH_BYTES", "FIRST_BATCH", "FIRST_WINDOW", "GROWN_SAMPLE",
-           "SMALL_WINDOW_BYTES", "WINDOW_GROWTH", "Prefetcher", "WindowSizer", "batch_size_for",
-           "full_window", "learned", "sized_window", "small_item_bytes", "values_found"]
+__all__ = ["COUNTERS", "Prefetcher"]
 
 
 class NOTHING(Sentinel, metaclass=Sentinel):
@@ -55,182 +53,21 @@ class NOTHING(Sentinel, metaclass=Sentinel):
 COUNTERS = ("hits", "misses", "prefetch_hits", "stalls", "stall_us", "direct_reads",
             "prefetch_wasted", "stall_timeouts")
 
-#: Smallest and largest read-ahead request, in keys. Each request costs ~60–90 µs of
-#: client CPU whatever its size, so batches are as large as the window allows.
-MIN_BATCH = 16
-MAX_BATCH = 256
-
-
-#: Read-ahead is bounded in bytes as well as in items, by the sizes the replies showed:
-#: ``prefetch=64`` of 4 MiB values would otherwise be two 128 MiB requests, whose first
-#: value is usable only once the whole reply is in, and 256 MiB in flight per consumer.
-#: The window (in flight + ready) holds about ``prefetch_bytes``; one request carries
-#: about ``prefetch_bytes / REQUESTS_PER_WINDOW`` (at least one value: a single 50 MiB
-#: value is still read, alone).
-DEFAULT_PREFETCH_BYTES = 32 << 20
-REQUESTS_PER_WINDOW = 32
-#: Until a reply has shown how large values are, the window starts this small, in
-#: requests this small (a few extra round trips once per consumer thread, instead of
-#: 2 × 32 values of unknown size, and a first value behind at most 3 others).
-FIRST_WINDOW = 16
-FIRST_BATCH = 4
-#: From this many bytes per request on, a read that waits parses and decodes no further
-#: than the request it waits for (a window that arrived meanwhile is tens of MiB); below
-#: it, taking every reply that arrived at once costs fewer system calls.
-BOUNDED_REQUEST_BYTES = 256 << 10
-#: weight of the newest reply in the bytes-per-item estimate
-_ALPHA = 0.25
-#: Small values: the window grows past ``prefetch`` items, up to ``WINDOW_GROWTH`` times
-#: it, while it holds at most ``SMALL_WINDOW_BYTES``. A request costs ~60–90 µs of client
-#: CPU whatever its size and 64 items of 100 B are 6 KiB: at ``prefetch=64`` two requests
-#: of 32 leave the consumer waiting on round trips. What such a window reads in vain when
-#: the order changes is at most this many bytes, so the growth costs nothing that
-#: ``prefetch`` exists to bound.
-SMALL_WINDOW_BYTES = 1 << 20
-WINDOW_GROWTH = 4
-#: a grown window checks the size of the values found in one reply in this many
-GROWN_SAMPLE = 8
-
-
-def batch_size_for(window: int) -> int:
-    """Keys per read-ahead request for a window: two requests in flight when possible."""
-    if window <= 0:
-        return 0
-    return max(min(window, MIN_BATCH), min(MAX_BATCH, window // 2))
-
-
-def learned(item_bytes: float, nbytes: int, items: int) -> float:
-    """The bytes-per-item estimate after a reply of ``nbytes`` for ``items`` keys (a
-    moving average; a reply without bytes -- all misses -- teaches nothing)."""
-    if not nbytes or not items:
-        return item_bytes
-    per_item = nbytes / items
-    return per_item if item_bytes <= 0 else item_bytes + _ALPHA * (per_item - item_bytes)
-
-
-def full_window(prefetch: int, growth: int = WINDOW_GROWTH) -> int:
-    """The largest window in items: ``prefetch`` grown for the smallest values (0: off)."""
-    return max(0, prefetch) * growth
-
-
-def small_item_bytes(prefetch: int, prefetch_bytes: int, growth: int = WINDOW_GROWTH) -> float:
-    """Bytes per item below which sizes change nothing: the full (grown) window and its
-    requests fit the byte bounds, so replies of such items need not be looked at."""
-    window = full_window(prefetch, growth)
-    full = batch_size_for(window)
-    if not full:
-        return 0.0
-    return min(min(SMALL_WINDOW_BYTES, prefetch_bytes) / window,
-               max(1, prefetch_bytes // REQUESTS_PER_WINDOW) / full)
-
-
-def sized_window(prefetch: int, prefetch_bytes: int, item_bytes: float,
-                 growth: int = WINDOW_GROWTH, value_bytes: float = 0.0) -> tuple[int, int]:
-    """(window, batch) in items for ``prefetch`` items of ``item_bytes`` on average,
-    bounded by ``prefetch_bytes`` (and grown past ``prefetch``, up to ``growth`` times
-    it, while the window would hold at most ``SMALL_WINDOW_BYTES`` if every item were a
-    value of ``value_bytes``: the size of the values found, which misses do not dilute,
-    so a cold epoch of large values does not grow a window the warm one then fills);
-    ``item_bytes <= 0``: nothing known, items only."""
-    window = prefetch
-    if item_bytes > 0 and prefetch > 0:
-        window = max(1, min(prefetch, int(prefetch_bytes // item_bytes)))
-        if window == prefetch and growth > 1:
-            per_value = max(item_bytes, value_bytes)
-            small = int(min(SMALL_WINDOW_BYTES, prefetch_bytes) // per_value)
-            window = max(window, min(full_window(prefetch, growth), small))
-    batch = batch_size_for(window)
-    if item_bytes > 0 and batch > 0:
-        per_request = max(1, prefetch_bytes // REQUESTS_PER_WINDOW)
-        batch = max(1, min(batch, int(per_request // item_bytes)))
-    return window, batch
-
-
-def values_found(ticket: Ticket) -> int:
-    """How many of a completed ticket's values are values (not misses, not unread).
-    By identity: ``list.count`` would compare arrays and tensors with ``==``."""
-    values = ticket.values
-    missing = list(map(operator.is_, values, itertools.repeat(MISSING))).count(True)
-    if ticket.partial:
-        missing += list(map(operator.is_, values, itertools.repeat(NOT_READ))).count(True)
-    return len(values) - missing
-
-
-class WindowSizer:
-    """A read-ahead window and its requests, in items, sized by the bytes replies carry.
-
-    The one sizing rule of the pipe's :class:`Prefetcher` and the torchdata node: a first
-    window of ``FIRST_WINDOW`` in requests of ``FIRST_BATCH`` until a reply shows sizes,
-    then :func:`sized_window` of two moving averages, bytes per item of the current mix
-    (what an item costs in flight) and bytes per value found (what the small-value growth
-    follows). Replies that cannot change anything are not looked at: small values once
-    the window is full, except one reply in ``GROWN_SAMPLE`` to a grown window.
-    """
-
-    __slots__ = ("_full_batch", "_full_window", "_small_item", "batch", "growth",
-                 "item_bytes", "prefetch", "prefetch_bytes", "samples", "value_bytes",
-                 "window")
-
-    def __init__(self, prefetch: int, prefetch_bytes: int,
-                 growth: int = WINDOW_GROWTH) -> None:
-        self.prefetch = max(0, prefetch)
-        self.prefetch_bytes = prefetch_bytes
-        self.growth = growth
-        #: bytes per item the replies carried (moving average; misses count as 0 bytes,
-        #: so it is what an item costs in flight for the current mix); 0: not known yet
-        self.item_bytes = 0.0
-        #: bytes per value found (misses not counted): what sizes the small-value growth
-        self.value_bytes = 0.0
-        self.samples = 0  # replies to a grown window
-        self.window = min(self.prefetch, FIRST_WINDOW)
-        self.batch = min(batch_size_for(self.window), FIRST_BATCH)
-        self._small_item = small_item_bytes(self.prefetch, prefetch_bytes, growth)
-        self._full_window = full_window(self.prefetch, growth)
-        self._full_batch = batch_size_for(self._full_window)
-
-    def learn(self, ticket: Ticket) -> bool:
-        """Take a completed reply's sizes into account; True if it was looked at (the
-        window and batch may have changed)."""
-        nbytes = ticket.nbytes
-        if not (self.batch < self._full_batch or self.window < self._full_window
-                or nbytes > self._small_item * len(ticket.indices)
-                or (nbytes and self.window > self.prefetch and self._sampled(ticket))):
-            return False
-        if not ticket.indices or ticket.abandoned:
-            return False
-        # A reply without bytes (all misses, a cold epoch) teaches nothing about sizes:
-        # it only ends the small first window when no size is known yet.
-        self.item_bytes = learned(self.item_bytes, nbytes, len(ticket.indices))
-        if nbytes:
-            self.value_bytes = learned(self.value_bytes, nbytes, values_found(ticket))
-        self.window, self.batch = sized_window(self.prefetch, self.prefetch_bytes,
-                                               self.item_bytes, self.growth, self.value_bytes)
-        return True
-
-    def _sampled(self, ticket: Ticket) -> bool:
-        """One reply in ``GROWN_SAMPLE`` to a grown window: do its values, misses not
-        counted, turn out too large for it? (Counting misses costs ~30 ns an item: not on
-        every reply of the small values that grew the window.)"""
-        self.samples += 1
-        return (not self.samples % GROWN_SAMPLE
-                and ticket.nbytes > self._small_item * values_found(ticket))
-
-
 def _drain(iterator: Any) -> None:
     collections.deque(iterator, maxlen=0)
 
 
 class Prefetcher:
-    """Read-ahead for one consumer thread over ``source``; keys from ``key_of(index)``.
+    """Read-ahead for one consumer thread over ``reader``; keys from ``key_of(index)``.
 
-    ``length`` (None for sources keyed by something else than 0..n-1) bounds
+    ``length`` (None for datasets keyed by something else than 0..n-1) bounds
     sequential read-ahead. ``strict`` is the cache's raise mode.
     """
 
-    def __init__(self, source: ReadSource, key_of: Callable[[Any], bytes],
+    def __init__(self, reader: Reader, key_of: Callable[[Any], bytes],
                  length: int | None, prefetch: int, strict: bool,
                  prefetch_bytes: int = DEFAULT_PREFETCH_BYTES) -> None:
-        self.source = source
+        self.reader = reader
         self.key_of = key_of
         self.length = length
         self.prefetch = max(0, prefetch)
@@ -239,7 +76,7 @@ class Prefetcher:
         #: the sizer's, copied here after each change: read on every item
         self.window, self.batch = self.sizer.window, self.sizer.batch
         #: requests carry enough bytes that a wait should do no more than it needs
-        #: (``source.advance``); below, taking everything that arrived is cheaper
+        #: (``reader.advance``); below, taking everything that arrived is cheaper
         self.bounded = False
         self.strict = strict
         self.ready: dict[Any, Any] = {}
@@ -366,7 +203,7 @@ class Prefetcher:
         ticket.epoch = self.epoch
         if not direct:
             self.inflight.update(dict.fromkeys(indices, ticket))
-        self.source.submit(ticket)
+        self.reader.submit(ticket)
         return ticket
 
     def _advance(self, index: Any) -> bool:
@@ -468,17 +305,17 @@ class Prefetcher:
             if value is not NOTHING:
                 self.prefetch_hits += 1
             return value
-        source = self.source
+        reader = self.reader
         if not ticket.done:
-            self._deliver(source.advance(ticket) if self.bounded else source.poll())
+            self._deliver(reader.advance(ticket) if self.bounded else reader.poll())
         stalled = not ticket.done
         if stalled:  # not here yet: a real stall
             self.stalls += 1
             started = time.perf_counter()
-            if not source.wait(ticket):
+            if not reader.wait(ticket):
                 self._abandon(ticket)
             self.stall_us += int((time.perf_counter() - started) * 1e6)
-        self._deliver(source.advance(ticket) if self.bounded else source.poll())
+        self._deliver(reader.advance(ticket) if self.bounded else reader.poll())
         value = self.ready.pop(index, NOTHING)
         if value is NOTHING:
             if self.strict and ticket.error is not None:
@@ -500,9 +337,9 @@ class Prefetcher:
 
     def _end_direct(self, ticket: Ticket) -> list[Any]:
         indices = ticket.indices
-        if not ticket.done and not self.source.wait(ticket):
+        if not ticket.done and not self.reader.wait(ticket):
             self._abandon(ticket)
-        self._deliver(self.source.poll())  # read-ahead that completed meanwhile
+        self._deliver(self.reader.poll())  # read-ahead that completed meanwhile
         if ticket.abandoned:
             if self.strict:
                 raise ticket.error  # type: ignore[misc]
@@ -592,7 +429,7 @@ class Prefetcher:
         """Values for a whole batch: ready ones, awaited ones, then one request for the rest."""
         self._refresh_order()
         self._count_slow(len(indices))  # the clock first: before a stale miss is taken
-        self._deliver(self.source.poll())  # whatever arrived since the last read
+        self._deliver(self.reader.poll())  # whatever arrived since the last read
         pop = self.ready.pop
         out = [pop(i, NOTHING) for i in indices]
         contiguous = (bool(indices) and type(indices[0]) is int
@@ -642,7 +479,7 @@ class Prefetcher:
                 self.wasted += 1
 
     def close(self) -> None:
-        """Release the source (in-flight read-ahead is dropped)."""
-        self.source.close()
+        """Release the reader (in-flight read-ahead is dropped)."""
+        self.reader.close()
         self.inflight.clear()
         self.ready.clear()

@@ -1,14 +1,14 @@
 """Where a prefetcher's reads go: one small interface, two implementations.
 
-A :class:`ReadSource` takes :class:`Ticket` s (a batch of keys), works on them in the
+A :class:`Reader` takes :class:`Ticket` s (a batch of keys), works on them in the
 background, and hands them back completed — values decoded, one per key — through
-:meth:`ReadSource.poll` (never blocks) or :meth:`ReadSource.wait` (blocks, bounded).
+:meth:`Reader.poll` (never blocks) or :meth:`Reader.wait` (blocks, bounded).
 Failures travel as data: a ticket whose node failed carries ``NOT_READ`` for the keys
 it could not read and the error in ``ticket.error``; the failure was already reported to
 the cache's :class:`~asynccache.cache.health.FailurePolicy` (counted, logged once, node backed
 off), so the prefetcher only decides what the consumer sees.
 
-* :class:`SocketSource` — reads on the consumer thread's own sockets
+* :class:`SocketReader` — reads on the consumer thread's own sockets
   (:class:`~asynccache.store.api.BlockingGetConnection`, one per node): requests are
   sent when the window has room, replies parsed when the consumer looks. No thread hop,
   no GIL hand-off: a hit stays a ``dict.pop``. Used when the client offers it
@@ -16,12 +16,12 @@ off), so the prefetcher only decides what the consumer sees.
   Each request is timed (``cache.latency()["read"]``) from sending to parsing its reply:
   for a reply the consumer waited for that is the store's time; for read-ahead it
   picked up later it is an upper bound (the reply may have sat in the socket buffer).
-* :class:`LoopSource` — reads through the asyncio core on the process's loop thread
+* :class:`LoopReader` — reads through the asyncio core on the process's loop thread
   (any client: Redis Cluster, TLS, third-party providers). A batch costs one
   ``call_soon_threadsafe`` there and one append back; the consumer is woken only if it
   waits.
 
-A source belongs to one consumer thread: its state is that thread's (the loop thread
+A reader belongs to one consumer thread: its state is that thread's (the loop thread
 only appends completed tickets to a deque, which is thread-safe).
 """
 
@@ -43,11 +43,11 @@ from ..errors import CacheError, LoopError, StoreError
 from ..store.api import NOT_READ, ConsumerReads
 from ..store.loop import LoopThread
 
-__all__ = ["L1Source", "LoopSource", "ReadSource", "SocketSource", "Ticket"]
+__all__ = ["L1Reader", "LoopReader", "Reader", "SocketReader", "Ticket"]
 
 logger = logging.getLogger("asynccache")
 
-#: a consumer that did not call into its source for this long was away (see resume)
+#: a consumer that did not call into its reader for this long was away (see resume)
 AWAY = 0.05
 
 
@@ -70,13 +70,13 @@ class Ticket:
         self.done = False
         self.abandoned = False        # the consumer stopped waiting: ignore its result
         self.deadline = 0.0
-        self.remaining = 0            # parts still on the wire (SocketSource)
+        self.remaining = 0            # parts still on the wire (SocketReader)
         self.nbytes = 0               # bytes the store's replies carried (set when done)
-        #: (the ticket this one reads the rest of, positions there): L1Source
+        #: (the ticket this one reads the rest of, positions there): L1Reader
         self.parent: tuple[Ticket, list[int]] | None = None
 
 
-class ReadSource(ABC):
+class Reader(ABC):
     """The prefetcher's I/O, behind one interface (tests use a scripted fake)."""
 
     #: nodes a batch is spread over (see ConsumerReads.fanout)
@@ -109,7 +109,7 @@ class ReadSource(ABC):
         return None
 
 
-class SocketSource(ReadSource):
+class SocketReader(Reader):
     """Read-ahead on the consumer's own connections, one per node."""
 
     def __init__(self, cache: AsyncKVCache, reads: ConsumerReads, loop: LoopThread) -> None:
@@ -126,7 +126,7 @@ class SocketSource(ReadSource):
             collections.deque() for _ in self.conns]
         self.completed: list[Ticket] = []
         self.timeout = cache.client.timeout
-        self.looked = 0.0  # time.monotonic() at the end of the last call into this source
+        self.looked = 0.0  # time.monotonic() at the end of the last call into this reader
 
     def resume(self) -> None:
         """Deadlines run while the consumer is here. Back from longer than ``AWAY``
@@ -309,7 +309,7 @@ class SocketSource(ReadSource):
             parts.clear()
 
 
-class LoopSource(ReadSource):
+class LoopReader(Reader):
     """Read-ahead through the asyncio core on the loop thread, handed back per batch."""
 
     def __init__(self, cache: AsyncKVCache, loop: LoopThread, wait_timeout: float) -> None:
@@ -386,12 +386,12 @@ class LoopSource(ReadSource):
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-class L1Source(ReadSource):
-    """The L1 tier in front of another source: keys the process holds are served from
+class L1Reader(Reader):
+    """The L1 tier in front of another reader: keys the process holds are served from
     memory (decoded afresh); only the others go to ``inner``, as a ticket of their own
     that is merged back into the one the prefetcher knows."""
 
-    def __init__(self, inner: ReadSource, cache: AsyncKVCache) -> None:
+    def __init__(self, inner: Reader, cache: AsyncKVCache) -> None:
         self.inner = inner
         self.fanout = inner.fanout
         self.cache = cache

@@ -2,7 +2,7 @@
 
 Never pickled, rebuilt in every process that uses its owner (a forked DataLoader worker
 inherits the parent's runtime object but not its thread or sockets: see ``current()``).
-Both integrations compute misses through :meth:`CacheRuntime.compute`, so write-back,
+Both integrations compute misses through :meth:`ProcessRuntime.compute`, so write-back,
 its visibility guarantee and leases behave the same in both.
 """
 
@@ -26,9 +26,9 @@ from ..observe.board import REPORT_INTERVAL, StatsBoard
 from ..observe.histogram import Latency, merge
 from ..store.api import BaseClient
 from ..store.loop import LoopThread, get_loop_thread
-from .readers import L1Source, LoopSource, ReadSource, SocketSource
+from .readers import L1Reader, LoopReader, Reader, SocketReader
 
-__all__ = ["CacheRuntime", "Reports"]
+__all__ = ["ProcessRuntime", "Reports"]
 
 
 class Reports:
@@ -85,7 +85,7 @@ class Reports:
                 continue  # written by another asynccache version: skip, never fail
         return found
 
-    def latency(self, runtime: CacheRuntime | None, per_process: bool) -> Any:
+    def latency(self, runtime: ProcessRuntime | None, per_process: bool) -> Any:
         """What ``latency()`` of a pipe or node returns: this process's histograms (its
         runtime's, if live here) and the copies', summed or by pid."""
         local = (runtime.cache.latency() if runtime is not None and runtime.current()
@@ -95,7 +95,7 @@ class Reports:
         return merge([local, *self.latency_others().values()])
 
 
-def _report_weakly(ref: weakref.ref[CacheRuntime]) -> None:
+def _report_weakly(ref: weakref.ref[ProcessRuntime]) -> None:
     runtime = ref()
     if runtime is not None:
         runtime._report()
@@ -106,7 +106,7 @@ def _remove_if_owner(board: StatsBoard, generation: int) -> None:
         board.remove()
 
 
-class CacheRuntime:
+class ProcessRuntime:
     """Loop thread, cache and queued writes of one pipe or node in one process."""
 
     def __init__(self, client: BaseClient[Any], keyspace: Keyspace, ttl: Any,
@@ -159,18 +159,18 @@ class CacheRuntime:
         """False in a forked child: this runtime (loop, sockets) is the parent's."""
         return self.fork_generation == _fork.generation
 
-    def new_source(self) -> ReadSource:
+    def new_reader(self) -> Reader:
         """Read-ahead I/O for the calling thread: its own sockets when the store offers
         them, else the loop thread. Never for the loop thread itself: a blocking read
         there would stall (or, through the loop, deadlock) every pipe of the process."""
         self.loop.check_caller()
         reads = self.client.consumer_reads()
-        source: ReadSource
+        reader: Reader
         if reads is not None:
-            source = SocketSource(self.cache, reads, self.loop)
+            reader = SocketReader(self.cache, reads, self.loop)
         else:
-            source = LoopSource(self.cache, self.loop, wait_timeout=self.client.timeout * 2 + 0.5)
-        return L1Source(source, self.cache) if self.cache.l1 is not None else source
+            reader = LoopReader(self.cache, self.loop, wait_timeout=self.client.timeout * 2 + 0.5)
+        return L1Reader(reader, self.cache) if self.cache.l1 is not None else reader
 
     # -- misses ------------------------------------------------------------------------
     def compute(self, wanted: Mapping[bytes, Any], fn: Callable[[Any], Any], *,
@@ -300,9 +300,9 @@ class CacheRuntime:
         self.finish(close=False, timeout=timeout)
 
     def finish(self, *, close: bool, timeout: float,
-               sources: list[ReadSource] | None = None) -> None:
+               readers: list[Reader] | None = None) -> None:
         """Write what is queued; with ``close`` also cancel the loop-side read-ahead of
-        ``sources`` and close this loop's connections. Bounded by ``timeout``."""
+        ``readers`` and close this loop's connections. Bounded by ``timeout``."""
         if not self.current() or self.loop.closed:
             return
         if close:
@@ -310,15 +310,15 @@ class CacheRuntime:
                 self.loop.call_soon(self._timer.cancel)
             self.publish()  # the final numbers of a copy (a worker that exits)
         try:
-            self.loop.call(self._finish(close, sources or []), timeout)
+            self.loop.call(self._finish(close, readers or []), timeout)
         except (TimeoutError, StoreError) as exc:
             self.cache.count("writes_dropped", len(self.cache.writes))
             self.cache.policy.log.report("flush", exc, self.client.safe_url)
 
-    async def _finish(self, close: bool, sources: list[ReadSource]) -> None:
+    async def _finish(self, close: bool, readers: list[Reader]) -> None:
         if close:
-            for source in sources:
-                await source.cancel_pending()
+            for reader in readers:
+                await reader.cancel_pending()
         await self.cache.flush()
         if close:
             await self.cache.client.release()

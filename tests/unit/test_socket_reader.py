@@ -1,4 +1,4 @@
-"""SocketSource against a scripted consumer connection: no network, no loop.
+"""SocketReader against a scripted consumer connection: no network, no loop.
 
 The connection answers each request from a dict, in order, and fails when the script
 says so. What is checked: a connection whose read raised is dropped together with
@@ -14,7 +14,7 @@ from typing import Any
 import asynccache as ac
 from asynccache.cache.core import AsyncKVCache
 from asynccache.cache.markers import MISSING
-from asynccache.readahead.readers import SocketSource, Ticket
+from asynccache.readahead.readers import SocketReader, Ticket
 from asynccache.store.api import NOT_READ, ConsumerConnection, ConsumerReads
 
 
@@ -52,10 +52,10 @@ class ScriptedConnection(ConsumerConnection):
         self.replies.clear()
 
 
-def _source(conn: ScriptedConnection) -> tuple[SocketSource, AsyncKVCache]:
+def _source(conn: ScriptedConnection) -> tuple[SocketReader, AsyncKVCache]:
     cache = AsyncKVCache(ac.connect("memory://socket-source"), namespace="unit")
     reads = ConsumerReads([conn], lambda keys: [(0, list(range(len(keys))))])
-    return SocketSource(cache, reads, loop=None), cache  # type: ignore[arg-type]
+    return SocketReader(cache, reads, loop=None), cache  # type: ignore[arg-type]
 
 
 def _store(cache: AsyncKVCache, n: int) -> dict[bytes, bytes]:

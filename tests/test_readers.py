@@ -12,17 +12,17 @@ import termios
 import time
 
 import asynccache as ac
-from asynccache.readahead.readers import SocketSource, Ticket
-from asynccache.readahead.runtime import CacheRuntime
+from asynccache.readahead.readers import SocketReader, Ticket
+from asynccache.readahead.runtime import ProcessRuntime
 from asynccache.store.redis.reads import BlockingRespConnection
 from asynccache.testing import servers
 
 
-def _source(url: str, namespace: str) -> tuple[CacheRuntime, SocketSource]:
+def _source(url: str, namespace: str) -> tuple[ProcessRuntime, SocketReader]:
     client = ac.connect(url)
-    runtime = CacheRuntime(client, namespace, None, None, "fallback", None)
-    source = runtime.new_source()
-    assert isinstance(source, SocketSource)
+    runtime = ProcessRuntime(client, namespace, None, None, "fallback", None)
+    source = runtime.new_reader()
+    assert isinstance(source, SocketReader)
     return runtime, source
 
 
@@ -110,7 +110,7 @@ def test_read_ahead_is_per_node_on_a_cluster(redis_cluster: servers.RedisCluster
     try:
         assert [pipe[i] for i in range(50)] == values
         prefetcher = pipe._runtime().prefetcher()
-        assert prefetcher.source.fanout == len(redis_cluster.nodes) == 3
+        assert prefetcher.reader.fanout == len(redis_cluster.nodes) == 3
         assert prefetcher.prefetch == 16 * 3
     finally:
         pipe.close()
