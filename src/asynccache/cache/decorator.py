@@ -35,7 +35,7 @@ _SKIPPED = ("self", "cls")
 
 def call_key(fn: Callable[..., Any], signature: inspect.Signature, args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """The default key of ``fn(*args, **kwargs)`` (see the module docstring)."""
+    """The default key of ``fn(*args, **kwargs)`` (as the module docstring says)."""
     bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
     parts: list[Any] = [f"{fn.__module__}.{fn.__qualname__}"]
@@ -54,7 +54,7 @@ def call_key(fn: Callable[..., Any], signature: inspect.Signature, args: tuple[A
 
 def cached(cache: AsyncKVCache, fn: Callable[..., Any], ttl: Any,
            key: Callable[..., Any] | None) -> Callable[..., Awaitable[Any]]:
-    """``fn`` wrapped: its results cached in ``cache`` (see the module docstring). A
+    """``fn`` wrapped: its results cached in ``cache`` (as the module docstring says). A
     plain function is wrapped too, and the wrapper is a coroutine function either way."""
     if not callable(fn):
         raise ConfigError(f"cached() decorates a function, got {type(fn).__name__}")

@@ -1,27 +1,6 @@
 """The one failure policy: what a store failure costs, per node, on every read and write path.
 
-Every path that talks to a store — the asyncio core, read-ahead through the loop thread,
-read-ahead on a consumer's own socket, chunk reads, writes — reports to the same
-:class:`FailurePolicy`, so they cannot disagree about counting, logging or back-off.
-
-Rules:
-
-* **Count** every failure: ``errors`` plus one of ``timeouts``, ``unavailable``,
-  ``rejected``; undecodable bytes count as ``decode_errors``, bytes no secret of a
-  signing codec signed as ``bad_signatures`` (a value of another asynccache format
-  version is only ``outdated``: a plain miss, not an error).
-* **Log once** per kind (operation × error type) at WARNING, then at DEBUG.
-* **Back off per node** after a timeout or a broken connection: that node's keys are
-  skipped (misses, counted as ``skipped``) for 0.5 s, doubling up to 30 s while probes
-  keep failing; the first success resets it. Other nodes of a pool or cluster are not
-  affected. A node that answered with an error about one value (``StoreRejected``: too
-  large, out of memory) is healthy: only that key failed.
-* ``on_error="raise"`` never skips (every call tries the store) and never logs; the
-  caller raises the error where someone is waiting for it. Failures are counted in both
-  modes.
-
-Thread-safe: failures are rare and take a lock; :meth:`succeeded` and :meth:`down` are
-called per batch and cost a dict check when nothing is backing off.
+Why it is built this way: docs/design.md, "The failure policy".
 """
 
 from __future__ import annotations

@@ -1,46 +1,11 @@
 """User keys and dataset indices → store keys: one documented, injective encoding.
 
-Store key = ``b"ac:" + namespace + b":" + encode_key(key)``, where ``encode_key`` is:
-
-=====================  =========================================  ==================
-key                    encoded as                                 example
-=====================  =========================================  ==================
-int (and anything      decimal ASCII                              ``42``, ``-3``
-``operator.index()``
-accepts: numpy / torch
-integers, 0-d integer
-tensors, bool)
-str                    ``s:`` + UTF-8                             ``s:cat.jpg``
-bytes                  ``b:`` + the bytes                         ``b:\\x00\\x01``
-None                   ``n:``                                     ``n:``
-tuple                  ``t:`` + for each element                  ``(1, "a")`` →
-                       ``<len>:<encoded element>``                ``t:1:13:s:a``
-=====================  =========================================  ==================
-
-Why it is injective: an int encodes to ``-?[0-9]+``, which never starts with a letter;
-every other kind starts with its own tag letter and a colon; a tuple's elements are
-length-prefixed, so ``("a:b",)`` and ``("a", "b")`` differ. Integers keep the short
-form because they are the common case (dataset indices) and ``key_for(i)`` is
-documented as ``b"ac:" + namespace + b":" + str(i)``. ``True`` and ``1`` are one key,
-as they are one key of a Python dict. ``None`` (a function argument's usual default,
-for :meth:`~asynccache.cache.core.AsyncKVCache.cached`) has a tag of its own. Anything else
-(floats, objects) raises :class:`~asynccache.errors.KeyEncodingError`: ``1.0 == 1`` in
-a dict while their string forms differ, and an object's string form is no identity.
-
-The other keys asynccache keeps for an entry sit under the same namespace prefix (so a
-namespace is one ``SCAN MATCH ac:<ns>:*`` away), tagged with letters no encoded key
-starts with, so they can never be mistaken for a value's key:
-
-* chunk ``i`` of a value split over several items:
-  ``b"ac:" + ns + b":c:" + token + b":" + str(i) + b":" + encode_key(key)``
-* the lease of a key being computed (``lease=``): ``b"ac:" + ns + b":l:" + encode_key(key)``
-
-Namespaces. Without ``namespace=``, a pipe, a node or a cache gets one of its own:
-``"anon-"`` + 16 random hex digits, made when the object is built and carried by its
-pickled copies (DataLoader workers, every epoch), never derived from class or function
-names -- two pipelines built without one never read each other's values. No other run
-can find it again, so its values expire after :data:`ANON_TTL` unless ``ttl=`` says
-otherwise. Reuse across runs and jobs takes an explicit, versioned namespace.
+Store key = ``b"ac:" + namespace + b":" + encode_key(key)``: an int (anything
+``operator.index()`` accepts) in decimal, ``s:`` + UTF-8 for str, ``b:`` + bytes, ``n:``
+for None, ``t:`` + length-prefixed elements for a tuple; anything else is a
+``KeyEncodingError``. A chunk (``c:``) and a lease (``l:``) sit under the same prefix with
+tags no encoded key starts with. Without ``namespace=`` an object gets an ``anon-`` one
+of its own. The full rule and why it is injective: docs/design.md, "Keys".
 """
 
 from __future__ import annotations
@@ -79,7 +44,7 @@ _announced = threading.Event()
 
 
 def encode_key(key: Any) -> bytes:
-    """``key`` → bytes by the rule in the module docstring."""
+    """``key`` → bytes by the rule above (in full: docs/design.md, "Keys")."""
     if type(key) is int:  # the hot case first
         return b"%d" % key
     if isinstance(key, str):
@@ -139,20 +104,20 @@ def _split(store_key: bytes) -> tuple[bytes, bytes]:
 
 
 def chunk_keys(store_key: bytes, token: str, chunks: int) -> list[bytes]:
-    """The keys of a chunked value's chunks (see the module docstring)."""
+    """The keys of a chunked value's chunks (see docs/design.md, "Keys")."""
     prefix, encoded = _split(store_key)
     stem = prefix + b"c:" + token.encode() + b":"
     return [b"%b%d:%b" % (stem, i, encoded) for i in range(chunks)]
 
 
 def lease_key(store_key: bytes) -> bytes:
-    """The key of the lease on a value's store key (see the module docstring)."""
+    """The key of the lease on a value's store key (see docs/design.md, "Keys")."""
     prefix, encoded = _split(store_key)
     return prefix + b"l:" + encoded
 
 
 def unique_namespace() -> str:
-    """A namespace no other object will ever use (see the module docstring)."""
+    """A namespace no other object will ever use (see docs/design.md, "Keys")."""
     return ANON_PREFIX + secrets.token_hex(8)
 
 

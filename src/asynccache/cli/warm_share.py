@@ -1,23 +1,6 @@
 """One ``asynccache warm`` worker: fill the store with its share of a dataset's items.
 
-Exactly what ``AsyncKVCacheMapDataPipe(dataset, client, namespace=NS, codec=...)`` would
-write on a miss: the same store keys (:meth:`AsyncKVCache.key`, i.e. ``key_for``: the
-index for a sequence, the mapping's keys for a keyed source), the same codec and
-encoding (chunks for values over the store's item size), the same TTL. A pipe reading
-afterwards finds hits and computes nothing.
-
-Per batch: one existence check that transfers no value (``contains_many``, or
-``sizes_many`` where the store may chunk values: Redis ``STRLEN``, memcached ``mg key
-s``); keys already there are skipped without computing them, which is what makes a
-second run resume. Then the missing items are computed and written. Where the store may
-chunk values, a key whose value is small enough to be a chunk manifest (at most
-``MAX_MANIFEST_BLOB``, 308 bytes) is read and decoded: a manifest whose chunks are gone
-(evicted apart from it) is a miss for the pipe, so it is written again. Larger values
-are never read: resuming over a namespace costs a few bytes per key, not its values.
-``--verify`` reads and decodes every value found instead (a value another codec or
-secret wrote is then rewritten; without it the pipe finds it a miss and rewrites it).
-The write of a batch is in flight while the next batch is computed: the worker is busy
-with the CPU, the store with the bytes.
+Why it is built this way: docs/design.md, "A warm worker".
 """
 
 from __future__ import annotations
@@ -163,7 +146,7 @@ class _Share:
 
     async def present(self, keys: list[bytes]) -> set[bytes]:
         """Of ``keys``, those to skip: the store holds a value for them, found without
-        transferring it (see the module docs); with ``verify``, values a pipe would
+        transferring it (docs/design.md, "A warm worker"); with ``verify``, values a pipe would
         read as a hit."""
         if self.verify:
             return await self.readable(keys)

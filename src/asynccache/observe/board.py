@@ -1,37 +1,6 @@
 """Counters of every copy of one pipe or node, across the processes of a job.
 
-A DataLoader copies the dataset into each worker process; the counters users want most
-(the hit rate) are then spread over processes the training loop never sees. Each copy
-outside the process that built the pipe writes its counters, at most about once a
-second and once more when it exits, to a small file of its own in a directory named
-after the pipe; the building process sums them in ``stats()``.
-
-Why files in shared memory (``/dev/shm`` when writable, else the temp dir; or
-``$ASYNCCACHE_STATS_DIR``) and not the store or a pipe: they work when the store is down
-(when the error counters matter most), survive the worker that wrote them (the final
-numbers of a non-persistent worker are still there after it exited), need no message
-loop in the parent, and cost one small atomic write per second per worker. They are
-local to the machine, as a DataLoader's workers are.
-
-Nobody else's way in: every board lives in ``asynccache-stats-<euid>`` under that shared
-directory, which is created 0700 and checked before each use (``lstat``: a directory,
-not a symbolic link, owned by this user, not writable by group or others; then opened
-with ``O_NOFOLLOW`` and checked again by its file descriptor; one of ours that others may
-only read is closed to 0700 through that descriptor). When a check fails, boards are off
-for the process, with one warning: ``stats()`` counts this process only and failures are
-logged once per process. A directory that fails is never chmod-ed, and everything
-below is reached relative to that descriptor (``dir_fd``, ``O_NOFOLLOW``), so a planted
-symbolic link never redirects a write, a read or a delete. A file that does not parse
-is ignored and counted (:attr:`StatsBoard.errors`), never raised.
-
-Lifetime: the process that built a pipe or node owns its board and removes it when it
-lets go of the pipe or exits -- a forked ``multiprocessing`` child (a DataLoader worker
-that builds its own node) included, which leaves through ``os._exit``: the removal is a
-``multiprocessing.util.Finalize`` as well as an ``atexit`` hook. Copies never create a
-board (a late report after the owner removed it does not bring it back). Boards of jobs
-that were killed are swept after a day, once their owner process is gone; the sweep
-deletes only directories it can prove are boards (a board's name and label file, owned
-by this user), never following a link.
+Why it is built this way: docs/design.md, "The stats board".
 """
 
 from __future__ import annotations

@@ -1,22 +1,6 @@
 """Latency histograms of store requests, exact under threads, cheap enough for the read path.
 
-Why fixed buckets: a histogram with the same bounds everywhere can be summed across
-threads, processes (DataLoader workers, through the stats board) and caches without
-losing anything, and maps one to one onto a Prometheus histogram. Quantiles come from
-the buckets (interpolated inside one), which is what Prometheus' ``histogram_quantile``
-does too: good to a bucket, enough to see "the store got slow".
-
-Why per request and not per item: a multi-get of 64 keys is one round trip; timing each
-item would cost more than a cache hit (~3 µs) and say nothing more. Recording is one
-``perf_counter_ns`` pair, a ``bisect`` and two list increments per request.
-
-Why shards: the same reason as :class:`~asynccache.observe.stats.Counters` (the loop thread and
-every consumer thread record; ``+=`` from two threads loses updates; a lock per request
-costs more than the rest). Each thread writes rows of its own; :meth:`Histograms.snapshot`
-sums them, and rows of threads that ended are folded into one.
-
-Durations are kept as integer nanoseconds so that every number the board publishes, and
-every sum over processes, is exact.
+Why it is built this way: docs/design.md, "Latency histograms".
 """
 
 from __future__ import annotations

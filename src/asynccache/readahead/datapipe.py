@@ -1,34 +1,6 @@
 """``AsyncKVCacheMapDataPipe``: a shared, remote replacement for ``InMemoryCacheHolder``.
 
-``dp[i]`` returns exactly ``source[i]``. Values come from the store when present (read
-ahead in batches by a :class:`~asynccache.readahead.prefetch.Prefetcher`); on a miss the value
-is computed in the caller's thread and queued for a batched write-behind. The store is
-an optimisation: with ``on_error="fallback"`` a slow, dead or corrupt store only turns
-hits into misses.
-
-Indices and keys. An index may be anything ``operator.index()`` accepts (numpy and
-torch integers, 0-d tensors); negative indices count from the end, as for a list. A
-source keyed by something else — a dict-backed ``SequenceWrapper``, a mapping with
-``str`` keys — is cached under its keys (str, bytes, ints, tuples of them) with the
-injective encoding of :mod:`asynccache.cache.keys`: ``key_for(k)`` shows the store key.
-
-Threads. A pipe may be shared by any number of threads (thread pools, torchdata's
-``ParallelMapper(method="thread")``): each thread gets its own prefetcher — plan,
-window, ready buffer and, for Redis, its own socket — so threads never share mutable
-read state; writes go through one locked queue; counters are per-thread shards summed
-by :meth:`~AsyncKVCacheMapDataPipe.stats`.
-
-Namespaces. Without ``namespace=`` a pipe gets one of its own (``anon-`` + random hex),
-shared by its pickled copies (DataLoader workers, every epoch) and by nothing else: two
-pipelines never read each other's values, whatever their classes, lengths or function
-names. Its values expire after a day (see :mod:`asynccache.cache.keys`). To reuse values
-across runs and jobs give an explicit, versioned namespace (``"imagenet-train-v3"``),
-and change it when the data or the code behind ``__getitem__`` changes.
-
-Every reader gets an object of its own: a batch that holds an index twice gets two
-objects, so a collate that changes samples in place never changes another position.
-
-Keys: ``key_for(i) == b"ac:" + namespace + b":" + str(i)`` for an int index.
+Why it is built this way: docs/design.md, "The pipe".
 """
 
 from __future__ import annotations

@@ -1,27 +1,6 @@
 """``CachedMapper``: the cache as a ``torchdata.nodes`` node, where the order is known.
 
-``CachedMapper(source, map_fn, client, ...)`` yields ``map_fn(item)`` for each item of
-``source``, in order, from the store when it holds the value. Unlike a map-style pipe,
-which has to guess what comes next, the node *pulls* ``prefetch`` items ahead from its
-source, so read-ahead follows the exact order — shuffled or not, any sampler — and
-batched multi-gets for upcoming items are in flight while the current one is consumed.
-Misses found by read-ahead are handed to ``num_workers`` threads (or processes) at once,
-so they are usually computed before they are asked for; values are written back in
-batches.
-
-Keys are the pipe's: ``b"ac:" + namespace + b":" + encode_key(key_fn(item))``, so with
-the same namespace ``CachedMapper(SamplerWrapper(s), ds.__getitem__, client,
-namespace="ds-v1")`` and ``AsyncKVCacheMapDataPipe(ds, client, namespace="ds-v1")``
-share entries. Without a namespace the node gets one of its own, shared by its copies
-and by nothing else (see :mod:`asynccache.cache.keys`): give one, versioned, to reuse values
-across runs.
-
-State (``reset`` / ``get_state``, hence ``Loader.state_dict()`` /
-``load_state_dict()``): "a snapshot of the source plus steps since", never the
-read-ahead: the source's state right after the last snapshotted item was pulled, and
-the number of items yielded since. Resuming resets the source to the snapshot and skips
-that many items (without calling ``map_fn``), so a fresh loader yields exactly the
-remaining items.
+Why it is built this way: docs/design.md, "The node".
 """
 
 from __future__ import annotations

@@ -1,32 +1,6 @@
 """The prefetcher: keeps the next ``prefetch`` planned indices in flight or ready.
 
-It holds only three things — the **plan** (which indices come next), the **window**
-(what has been requested and is in flight), and the **ready** buffer (values that
-arrived) — and does no I/O itself: reads go to a :class:`~asynccache.readahead.readers.Reader`
-(the consumer's own socket, or the loop thread), which hands back completed tickets.
-The failure policy lives in the core; here only one decision is made: what the
-consumer sees.
-
-One prefetcher belongs to one consumer thread (the pipe keeps one per thread), so none
-of its state is shared and a hit is a ``dict.pop`` plus a plan comparison: no lock,
-no ``Future``, no thread hop per item.
-
-Rules that keep it correct:
-
-* Every index leaves ``inflight`` on every path: delivered, dropped because its node
-  failed (``NOT_READ``), or abandoned when its ticket missed the deadline.
-* A read-ahead failure is never remembered: the indices are dropped, and reading one of
-  them later reads it directly, so a store that came back is used again and raise mode
-  raises only fresh errors. The consumer that was waiting for the failed batch gets the
-  failure (raise) or a miss (fallback) at once.
-* A read-ahead *miss* is trusted only when consumed in plan order: one consumed out of
-  order may be older than a write made meanwhile, so it is read again.
-* A wrong plan costs little: the buffer is bounded, a replan drops the old window, and
-  reads that wander off the plan cost at most one pass over it.
-
-The plan, best first: an explicit order (re-planned from it when used up); the pipe's
-iteration order; or sequential read-ahead once two consecutive int indices (or two
-contiguous batches) are asked for.
+Why it is built this way: docs/design.md, "The prefetcher".
 """
 
 from __future__ import annotations

@@ -1,28 +1,6 @@
 """Where a prefetcher's reads go: one small interface, two implementations.
 
-A :class:`Reader` takes :class:`Ticket` s (a batch of keys), works on them in the
-background, and hands them back completed — values decoded, one per key — through
-:meth:`Reader.poll` (never blocks) or :meth:`Reader.wait` (blocks, bounded).
-Failures travel as data: a ticket whose node failed carries ``NOT_READ`` for the keys
-it could not read and the error in ``ticket.error``; the failure was already reported to
-the cache's :class:`~asynccache.cache.health.FailurePolicy` (counted, logged once, node backed
-off), so the prefetcher only decides what the consumer sees.
-
-* :class:`SocketReader` — reads on the consumer thread's own sockets
-  (:class:`~asynccache.store.api.BlockingGetConnection`, one per node): requests are
-  sent when the window has room, replies parsed when the consumer looks. No thread hop,
-  no GIL hand-off: a hit stays a ``dict.pop``. Used when the client offers it
-  (``client.consumer_reads()``: Redis/Valkey and memcached, one server or a pool).
-  Each request is timed (``cache.latency()["read"]``) from sending to parsing its reply:
-  for a reply the consumer waited for that is the store's time; for read-ahead it
-  picked up later it is an upper bound (the reply may have sat in the socket buffer).
-* :class:`LoopReader` — reads through the asyncio core on the process's loop thread
-  (any client: Redis Cluster, TLS, third-party providers). A batch costs one
-  ``call_soon_threadsafe`` there and one append back; the consumer is woken only if it
-  waits.
-
-A reader belongs to one consumer thread: its state is that thread's (the loop thread
-only appends completed tickets to a deque, which is thread-safe).
+Why it is built this way: docs/design.md, "Readers".
 """
 
 from __future__ import annotations

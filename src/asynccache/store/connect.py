@@ -1,70 +1,6 @@
 """``connect(url, **options)``: turn a store URL into a client configuration object.
 
-Accepted forms::
-
-    redis://[user:password@]host[:port][/db][?option=value...]     (port 6379, db 0)
-    rediss://...                                                   (TLS)
-    unix://[user:password@]/path/to/redis.sock[?db=N&option=value]
-    redis+cluster://[user:password@]host:port[,host:port...]
-    rediss+cluster://...                                           (TLS to every node)
-    memcached://host[:port][,host[:port]...][?option=value]        (port 11211)
-    memory://[name]
-    lmdb:///path/to/dir[?map_size=64GiB&option=value]              (one machine, no server)
-    scheme://...                                                   (a registered provider)
-
-Other schemes come from providers (:class:`asynccache.Provider`), registered with
-:func:`asynccache.register_scheme` or as ``asynccache.stores`` entry points: their
-factory gets the whole URL and the keyword options (see :mod:`asynccache.store.registry`).
-
-Options (query string or keyword, keywords win): ``timeout`` and ``connect_timeout``
-(seconds), ``max_batch`` (keys per multi-get) and ``item_size`` (bytes: memcached's
-``-I``, Redis' ``proto-max-bulk-len``; larger values are chunked).
-No network I/O happens here: connections open lazily on first use.
-
-TLS (Redis, Redis Cluster, memcached built with TLS, ``-Z``): ``rediss://`` and
-``rediss+cluster://`` turn it on, and so does ``tls=true`` on any TCP URL (memcached has
-no TLS scheme: ``memcached://h:p?tls=true``). The server's certificate is verified by
-default, against the system's CAs or ``ssl_ca_certs``, and must name the host connected
-to. Options, in the URL or as keywords::
-
-    ssl_ca_certs=/path/ca.pem           CA bundle to trust instead of the system's
-    ssl_certfile=/path/client.pem       client certificate (servers that require one)
-    ssl_keyfile=/path/client.key        its unencrypted private key
-    ssl_cert_reqs=required|optional|none  verify the server's certificate (default required)
-    ssl_check_hostname=true|false       the certificate must name the host (default true)
-
-Files are checked here: a missing, unreadable or non-PEM file is a ``ConfigError``
-naming the option, and so is a TLS option on a URL without TLS (it would silently
-connect in the clear). A server whose certificate does not verify is a store failure
-(``StoreUnavailable``, "TLS verification failed", naming ``ssl_ca_certs``): a counted
-miss in fallback mode, raised with ``on_error="raise"``.
-
-Credentials (Redis ACL users: ``redis://user:password@host``; ``requirepass``:
-``redis://:password@host``). The password may hold any character, as is or
-percent-encoded: everything between ``//`` and the *last* ``@`` of the URL is the user and
-password (so a raw ``@`` in an option value must be written ``%40``). The password never
-appears in an error message, ``repr()``, ``safe_url``, a log record or the
-command line's output, and never in a pickle: clients pickle as configuration
-(that is how DataLoader workers get them, and how they end up in checkpoints), and the
-password is not part of it. It is kept in a vault of the process, under a fingerprint
-of the URL without secrets; the pickle carries only that fingerprint.
-
-* A forked child (DataLoader ``fork``) inherits the vault.
-* For ``spawn``/``forkserver`` children (fresh interpreters), the client exports the
-  password once, when it is created, as the environment variable
-  ``ASYNCCACHE_CREDENTIALS_<fingerprint>``, which children started afterwards inherit
-  and an unpickled client reads. (A forkserver started before the client was created
-  does not have it: create the client first, or use ``password_env``.)
-* ``password_env=NAME`` (keyword or ``?password_env=NAME``): the password is read from
-  your own environment variable ``NAME`` in every process that uses the client, and
-  nothing is exported. Use it when the environment of child processes must not carry
-  the password, and for clients loaded from a checkpoint in another job.
-
-A client unpickled where its password cannot be found raises ``ConfigError`` at first
-use, saying how to provide it. Redis ACL users need the commands asynccache sends:
-``MGET``, ``SET``, ``DEL``, ``PING`` (plus ``SELECT`` for a db other than 0, and
-``CLUSTER SLOTS`` and ``ASKING`` on a cluster) on the keys ``ac:<namespace>:*``, e.g.
-``ACL SETUSER reader on >pw ~ac:myset:* +mget +set +del +ping``.
+The accepted forms: :func:`connect`; why it is built this way: docs/design.md, "URLs".
 """
 
 from __future__ import annotations
@@ -197,7 +133,26 @@ def _credentials(userinfo: str | None) -> tuple[str | None, str | None]:
 
 
 def connect(url: str, **options: Any) -> BaseClient[Any]:
-    """Build a client for ``url``; see the module docstring for the accepted forms."""
+    """Build a client for ``url``: picklable configuration, no network I/O (connections
+    open lazily, in the process and event loop that first uses them).
+
+    Accepted forms::
+
+        redis://[user:password@]host[:port][/db][?option=value...]     (port 6379, db 0)
+        rediss://...                                                   (TLS)
+        unix://[user:password@]/path/to/redis.sock[?db=N&option=value]
+        redis+cluster://[user:password@]host:port[,host:port...]
+        rediss+cluster://...                                           (TLS to every node)
+        memcached://host[:port][,host[:port]...][?option=value]        (port 11211)
+        memory://[name]
+        lmdb:///path/to/dir[?map_size=64GiB&option=value]              (one machine, no server)
+        scheme://...                                                   (a registered provider)
+
+    Options (query string or keyword, keywords win): ``timeout`` and ``connect_timeout``
+    (seconds), ``max_batch`` (keys per multi-get), ``item_size`` (bytes; larger values
+    are chunked), ``tls`` and the ``ssl_*`` options, ``password_env``. See the docs'
+    "Stores and URLs" and "Security" pages.
+    """
     try:
         return _connect(url, options)
     except TypeError as exc:  # an unknown keyword option

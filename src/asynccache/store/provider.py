@@ -1,69 +1,6 @@
 """``asynccache.Provider``: the public base class for a store written outside asynccache.
 
-Subclass it, implement four async methods, register a URL scheme, and every part of
-asynccache (the core, the pipe, the node, the failure policy, leases) works over your
-store::
-
-    class MyStore(ac.Provider):
-        scheme = "mystore"
-
-        def open_connection(self):              # once per process and event loop
-            return mylib.connect(self.url)
-
-        async def get_many(self, keys):          # bytes keys -> bytes value or None
-            return [self.connection.get(k) for k in keys]
-
-        async def set_many(self, mapping, ttl=None): ...
-        async def delete_many(self, keys): ...
-        async def ping(self): ...
-
-    ac.register_scheme("mystore", MyStore.from_url)
-    client = ac.connect("mystore://somewhere?timeout=2")
-
-What the base does for you, and why:
-
-* **Configuration only in pickles.** DataLoader workers (fork, spawn, forkserver) and
-  checkpoints get a pickled client: the instance's attributes are pickled, the
-  connection is not. Keep everything a worker needs to reconnect in plain attributes
-  set in ``__init__``, and live objects only in what :meth:`Provider.open_connection`
-  returns.
-* **One connection per process and event loop**, opened lazily on first use of
-  :attr:`Provider.connection` inside an operation. asyncio objects belong to one loop,
-  and sockets, file handles and memory maps must not be shared with a forked child: a
-  child never touches its parent's connection (it is kept alive, untouched, so that
-  its finalizer cannot disturb the parent) and opens its own.
-* **Every operation you define is guarded**: bounded by ``timeout`` seconds
-  (``StoreTimeout`` past it) and an exception that is not a ``StoreError`` or a
-  ``ConfigError`` becomes a ``StoreError`` naming your class, the original as its
-  ``__cause__``. In the default ``on_error="fallback"`` mode that makes a bug or an
-  outage of your store a counted miss, never an exception in the training loop.
-  Replies are checked too: ``get_many`` must return one ``bytes`` or ``None`` per key,
-  ``contains_many`` and ``add_many`` one truth value per key, in order; any other reply
-  is a ``StoreError`` (a reply one short would put values on other keys' positions). The
-  timeout can only interrupt an ``await``: run blocking library calls in a thread
-  (``await asyncio.to_thread(...)``), or keep them short (a local file, an mmap).
-* **Errors you raise** say what the core should do: ``StoreUnavailable`` (cannot
-  reach it: the store is backed off for a moment), ``StoreTimeout``, ``StoreRejected``
-  (it refused these values, e.g. it is full: counted as rejected, not backed off), or
-  ``ConfigError`` (the user must fix a setting: raised even in fallback mode).
-
-Optional hooks, with defaults that are always correct:
-
-* ``add_many(entries, ttl)``: set-if-absent with expiry. What ``lease=`` uses; without
-  it leases are ignored (logged once) and every process computes its own misses.
-* ``consumer_reads()``: the consumer-side fast path. ``None`` by default: read-ahead
-  then runs through asynccache's event-loop thread, which costs one thread hand-off
-  per batch. Return a :class:`~asynccache.store.api.ConsumerReads` when your store
-  can be read from any thread without an event loop (a local file or memory map, a
-  blocking socket of the thread's own): ``dp[i]`` hits are then read right in the
-  calling thread. See :mod:`asynccache.store.lmdb.client` for one.
-* ``max_value_size`` (a class or instance attribute): the largest value your store
-  takes in one item; larger values are chunked by the core. ``None``: no limit.
-* ``expiry_slack``: how late your store may expire a key (whole-second clocks).
-* ``server_info()``, ``scan(prefix)``, ``contains_many(keys)``, ``sizes_many(keys)``:
-  what the ``asynccache`` command line shows and counts. The defaults describe the
-  provider, say that listing is not supported, and read the values to test presence
-  and size (``asynccache warm`` then downloads what it skips: override them).
+Why it is built this way: docs/design.md, "The provider base".
 """
 
 from __future__ import annotations
@@ -222,7 +159,8 @@ class Provider(SimpleStore[_Held]):
 
     # -- optional hooks -----------------------------------------------------------------------
     def consumer_reads(self) -> ConsumerReads | None:
-        """None: read-ahead goes through the event-loop thread (see the module docs)."""
+        """None: read-ahead goes through the event-loop thread (docs/providers.md, "The
+        consumer-side fast path", says when to return connections instead)."""
         return None
 
     async def server_info(self) -> dict[str, Any]:

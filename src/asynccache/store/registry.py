@@ -1,36 +1,7 @@
 """URL schemes of third-party stores: ``register_scheme`` and the ``asynccache.stores``
 entry points.
 
-A *factory* is any callable ``factory(url: str, **options) -> BaseClient``:
-:func:`asynccache.connect` calls it with the whole URL (query string included) and the
-keyword options it was given. ``MyProvider.from_url`` (see
-:class:`asynccache.Provider`) is one, parsing the query string into options.
-
-Where :func:`~asynccache.connect` looks for a scheme, first match wins:
-
-1. schemes registered in this process with :func:`register_scheme`;
-2. the built-in schemes (``redis``, ``rediss``, ``unix``, ``redis+cluster``,
-   ``rediss+cluster``, ``memcached``, ``memory``, ``lmdb``);
-3. entry points in the group ``asynccache.stores`` of the installed distributions
-   (name: the scheme, value: the factory, e.g. ``mystore = "mypkg.store:MyStore.from_url"``).
-   They are read the first time an unknown scheme is asked for, and a factory is
-   imported only when its scheme is used, so installing a provider costs nothing
-   at ``import asynccache``.
-
-Rules, and why:
-
-* A scheme is what RFC 3986 allows (a letter, then letters, digits, ``+ - .``), lower
-  case (URL schemes are case-insensitive; ``connect`` lowercases them).
-* Replacing a scheme that is already known (a built-in, or one registered before)
-  needs ``replace=True``: a library that silently took over ``redis://`` would route
-  someone else's data to its own store. An entry point can never replace a built-in:
-  it is ignored, with one warning in the log.
-* Two installed distributions offering the same scheme is a ``ConfigError`` when that
-  scheme is used, naming both: choose one with ``register_scheme``.
-* An entry point that fails to import, or is not callable, is a ``ConfigError`` naming
-  its distribution and version (fix, upgrade or uninstall that package).
-* Registration is per process. A client pickled into a DataLoader worker needs no
-  registry there: the pickle names the client's class, which the worker imports.
+Why it is built this way: docs/design.md, "Third-party schemes".
 """
 
 from __future__ import annotations

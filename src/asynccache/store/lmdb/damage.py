@@ -1,5 +1,5 @@
 """What LMDB does not check: damaged files (truncated, overwritten) found before a batch
-touches them, so that they are counted misses instead of a SIGBUS (see docs/stores.md)."""
+touches them, so that they are counted misses instead of a SIGBUS (docs/design.md, "LMDB")."""
 
 from __future__ import annotations
 

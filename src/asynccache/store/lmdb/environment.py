@@ -1,5 +1,5 @@
 """This process' LMDB environments, one per path, closed across ``fork``, and its one
-writer thread (see docs/stores.md for why)."""
+writer thread (docs/design.md, "LMDB", says why)."""
 
 from __future__ import annotations
 

@@ -1,35 +1,6 @@
 """memcached, one server or a pool of them, on a lean pipelined text-protocol connection.
 
-Why not a general memcached library: a cache needs ``get``/``set``/``delete``/``version``,
-and the rest of what matters is how failures look. aiomcache, the previous backend,
-had no timeouts, kept a cancelled connection (mid-reply) in its pool, rejected
-duplicate keys, and raised one exception for a whole batch. Here:
-
-* **One pipelined connection per (event loop, server)** for reads and one for writes, on
-  :mod:`asynccache.store.protocol.memcache` (sans-IO). Requests are written back to back; every
-  request owns a slot in a FIFO of futures, so a reply is only ever handed to its own
-  request (and checked against it: a ``VALUE`` for a key that was not asked for fails
-  the connection). One timer per exchange; after a timeout the connection is closed, so
-  a late reply is never read as the next answer. A request that finds an idle connection
-  closed by the server (``-o idle_timeout``) is sent once more on a fresh one.
-* **Many servers**: keys are spread by rendezvous (highest-random-weight) hashing, so
-  adding or removing a server moves only the keys that belonged to it. ``read`` and
-  ``write`` ask the servers concurrently and report a dead or slow server as a failure of
-  its own keys (per node), the others' values returned and written.
-* **Per-key replies on writes**: one pipelined ``set`` per key, so a value the server
-  refuses (over ``-I``; out of memory under ``-M``) fails alone, as ``StoreRejected``
-  naming the setting to change, and the other keys are stored.
-* **Keys**: memcached takes 1–250 bytes of printable ASCII; other keys are mapped,
-  deterministically, by :func:`safe_memcached_key`. Duplicates in one request are
-  asked once. Requests are cut at ``max_batch`` keys per ``get`` line.
-* **Item size**: values above ``item_size`` (``-I``, 1 MiB by default) are refused by the
-  server; ``max_value_size`` tells the core to split them into chunks. A reply announcing
-  more than ``2 × item_size`` is not one of ours and fails the connection rather than
-  allocating it.
-* **Consumer-side reads**: :meth:`MemcachedClient.consumer_reads` gives read-ahead one
-  blocking connection per server on the consumer thread's own sockets, like Redis.
-* **TLS** (memcached built with TLS, ``-Z``): every connection, asyncio or blocking, uses
-  the client's :class:`~asynccache.store.transport.endpoint.TlsSettings` (``?tls=true``).
+Why it is built this way: docs/design.md, "memcached".
 """
 
 from __future__ import annotations

@@ -1,22 +1,6 @@
 """memcached's text protocol without I/O: requests to send, a parser for what comes back.
 
-Why our own: the text protocol a cache needs is four commands (``get``, ``set``,
-``delete``, ``version``), and the parts that matter are the ones a generic client gets
-wrong for us: replies split at any byte, pipelining many requests on one connection,
-values kept in the order the keys were asked, and a bound on what a reply may make us
-allocate.
-
-The parser is told, in send order, what each request's reply must look like (a
-:class:`Request` carries both its bytes and that expectation), so every reply is
-checked against its own request: a ``VALUE`` for a key that was not asked for, a
-``STORED`` where a ``DELETED`` belongs, or bytes nobody asked for are a
-:class:`ProtocolViolation` (the connection is then not trusted), never a value handed
-to the wrong caller.
-
-Bounds: a ``VALUE`` line announcing more than ``max_value`` bytes, or a line longer than
-:data:`MAX_LINE` without its ``\\r\\n``, is a violation rather than an allocation. While a
-large value arrives, incoming chunks are collected and joined once, not re-copied on
-every read.
+Why it is built this way: docs/design.md, "memcached's text protocol".
 """
 
 from __future__ import annotations

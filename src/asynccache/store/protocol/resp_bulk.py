@@ -1,30 +1,6 @@
 """``MGET`` replies parsed in Python, large values received in place (no I/O here).
 
-hiredis is the fastest parser for replies of small values, and the wrong one for large
-values: a reply is fed to it in pieces, every piece is copied into its buffer (which it
-shifts down again as it consumes elements), and each value is copied once more into a
-new ``bytes``. For a 1 MiB value that is the socket read, the feed, the shifts and the
-final copy: several passes over memory for every byte, and the reason large values
-were read at about the speed of one ``GET`` per key.
-
-:class:`BulkReader` reads the same replies (RESP2: ``*<n>`` then ``n`` bulk strings or
-nils; or an error line) with a small buffer for the headers and small values, and for a
-value of at least ``big`` bytes hands the caller that value's own ``bytearray`` to
-receive into: the kernel copies the bytes straight to where they stay, and the value is
-returned as that ``bytearray`` (the codec decodes from it; nothing else holds it).
-
-The caller's loop::
-
-    view = reader.buffer()          # where the next bytes go (a memoryview)
-    n = sock.recv_into(view)        # or ssl_sock.recv_into(view)
-    reader.received(n)
-    while (reply := reader.gets()) is not False:
-        ...                         # a list of bytes | bytearray | None, or a ReplyError
-
-Hostile input is bounded: header lines are at most :data:`MAX_LINE` bytes, an array at
-most ``max_items`` elements and a value at most ``max_value`` bytes (a claimed length over
-it is a :class:`ProtocolError`, raised before anything is allocated), and anything that is
-not an array of bulk strings or an error is a :class:`ProtocolError`.
+Why it is built this way: docs/design.md, "Large values in place".
 """
 
 from __future__ import annotations
@@ -49,7 +25,8 @@ class ProtocolError(Exception):
 
 
 class BulkReader:
-    """Incremental parser of ``MGET`` replies; see the module docstring."""
+    """Incremental parser of ``MGET`` replies: ``buffer()``/``received(n)`` (or
+    ``feed``), then ``gets()`` until it returns False; docs/design.md has the details."""
 
     __slots__ = ("_buf", "_count", "_end", "_filled", "_items", "_size", "_start",
                  "_target", "_view", "alloc", "big", "max_items", "max_value")

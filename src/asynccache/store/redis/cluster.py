@@ -1,31 +1,7 @@
 """Redis Cluster on the lean RESP path: redis-py keeps the slot map, every byte of data
 goes over one pipelined :class:`~asynccache.store.redis.connection.RespConnection` per primary.
 
-Why not redis-py for the data: ``mget_nonatomic`` sends one command per hash slot through
-redis-py's per-command Python path. A batch of keys touches about as many slots as it has
-keys, so that path *is* the cost of a read (measured: 51k–67k items/s on a 3-node
-cluster against 500k+ on one server). Here each node gets one pipelined exchange of
-``MGET``s (one per slot and per ``max_batch`` keys) or ``SET``s (one per key, so the
-server answers each key), and all nodes are asked concurrently.
-
-Topology: ``redis.asyncio.cluster.RedisCluster`` is kept only as the slot map (``CLUSTER
-SLOTS``, node naming, ``key_slot``); it carries no data. A key's slot is the server's
-CRC16 of the key (of its ``{tag}`` if it has one; asynccache never adds tags, which would
-pile a dataset onto one node).
-
-Redirections, within the same call: ``MOVED`` (the slot has a new owner) refreshes the
-slot map and, concurrently, sends those keys once more to the node the reply names;
-``ASK`` (the slot is being migrated and the key is not on the source any more) sends
-them once more to the named node, each command preceded by ``ASKING``. A second
-redirection for the same keys is a failure: they are not read.
-
-Failures are per node (``ReadResult.failures["host:port"]``), so one dead primary costs
-only its own keys: its keys are ``NOT_READ`` (reads) or counted in ``failed_keys``
-(writes) while the other nodes' keys are served. A node that does not answer also
-triggers a background re-read of the slot map (at most one per second), which is how a
-failover to a replica is found. The live nodes keep serving only while the servers
-themselves do: a cache cluster wants ``cluster-require-full-coverage no``, otherwise the
-live nodes answer ``CLUSTERDOWN`` for every key once the dead node is marked failed.
+Why it is built this way: docs/design.md, "Redis Cluster".
 """
 
 from __future__ import annotations

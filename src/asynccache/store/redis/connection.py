@@ -1,7 +1,7 @@
 """Redis on the asyncio transport: a lean, pipelined RESP connection, parsed by hiredis.
 
 Why not redis-py here: one ``MGET`` through ``redis.asyncio`` costs 80–170 µs of CPU
-whatever its size (measured; see docs/performance.md), and read-ahead issues thousands
+whatever its size (measured; docs/design.md, "Connections"), and read-ahead issues thousands
 of them on a loop thread that shares the GIL with the training loop. This keeps only
 what a cache needs: requests written back to back, replies handed back in order, one
 timer per exchange, ``AUTH``/``SELECT`` on a new connection.
