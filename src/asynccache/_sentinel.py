@@ -17,7 +17,7 @@ class Sentinel(type):
                 **kwds: Any) -> Sentinel:
         assert bases == (Sentinel,), "write: class NAME(Sentinel, metaclass=Sentinel)"
         made = super().__new__(cls, name, bases, namespace, **kwds)
-        made.__class__ = made
+        made.__class__ = made  # type: ignore[assignment]
         return made
 
     def __repr__(self) -> str:

@@ -235,7 +235,8 @@ class AsyncKVCache:
         store_key = self.key(key)
         shared = here.computing.get(store_key)
         if shared is None:
-            task = here.loop.create_task(self._compute_and_store(key, store_key, compute, ttl))
+            task: asyncio.Task[Any] = here.loop.create_task(
+                self._compute_and_store(key, store_key, compute, ttl))
             shared = here.computing[store_key] = Shared(task)
             task.add_done_callback(lambda _t: here.computing.pop(store_key, None))
         return await shared.result(store_key, self.reads.copy_of)
@@ -305,7 +306,7 @@ class _PerLoop:
                               self.spawn)
 
     def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
-        task = self.loop.create_task(coro)  # type: ignore[arg-type]
+        task: asyncio.Task[Any] = self.loop.create_task(coro)  # type: ignore[arg-type]
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         return task

@@ -371,7 +371,7 @@ class StatsBoard:
     def labelled(cls, namespace: str) -> list[StatsBoard]:
         """This user's boards on this machine labelled with ``namespace`` whose owner
         process is still running (a crashed job's board is not current)."""
-        boards = []
+        boards: list[StatsBoard] = []
         with _root(create=False) as root:
             if root is None:
                 return boards

@@ -87,8 +87,9 @@ class MemoryClient(SimpleStore[None]):
     async def scan(self, prefix: bytes, batch: int = 1000
                    ) -> AsyncIterator[list[tuple[bytes, int | None]]]:
         now = time.monotonic()
-        found = [(key, len(value)) for key, (value, expires) in list(self.data.items())
-                 if key.startswith(prefix) and (expires is None or expires > now)]
+        found: list[tuple[bytes, int | None]] = [
+            (key, len(value)) for key, (value, expires) in list(self.data.items())
+            if key.startswith(prefix) and (expires is None or expires > now)]
         for start in range(0, len(found), max(1, batch)):
             yield found[start:start + batch]
 

@@ -122,6 +122,7 @@ class Env:
         except (OSError, ValueError) as exc:
             raise StoreUnavailable(f"LMDB {self.where}: cannot check data.mdb: {exc}; "
                                    "check the disk") from exc
+        assert problem is not None
         raise self.fail(problem)
 
     def _inspect(self, size: int) -> str | None:

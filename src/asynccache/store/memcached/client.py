@@ -70,7 +70,7 @@ def rendezvous_owner(key: bytes, nodes: Sequence[str]) -> int:
 
 @dataclass
 class _Node:
-    name: str
+    name: NodeName
     reads: MemcachedConnection
     writes: MemcachedConnection  # a large write never delays a read
 
@@ -107,14 +107,14 @@ class MemcachedClient(BaseClient[_MemcachedState]):
         self.tls = tls
         self.item_size = int(item_size)
         self.max_value_size = self.item_size - _ITEM_OVERHEAD
-        self._node_names = tuple(f"{h}:{p}" for h, p in self.servers)
+        self._node_names = tuple(NodeName(f"{h}:{p}") for h, p in self.servers)
 
     @property
     def safe_url(self) -> str:
         return "memcached://" + ",".join(self._node_names) + ("?tls=true" if self.tls else "")
 
     @property
-    def node_names(self) -> tuple[str, ...]:
+    def node_names(self) -> tuple[NodeName, ...]:
         return self._node_names
 
     def _open_state(self) -> _MemcachedState:

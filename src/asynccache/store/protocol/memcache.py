@@ -10,6 +10,7 @@ import hashlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from ...errors import StoreError, StoreTimeout, StoreUnavailable
 
@@ -268,7 +269,7 @@ class ReplyParser:
     def expect(self, request: Request) -> None:
         self._expected.append(request)
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | memoryview) -> None:
         if data:
             self._chunks.append(bytes(data))
             self._avail += len(data)
@@ -289,7 +290,7 @@ class ReplyParser:
         reply = self.gets()
         return None if reply is False else reply
 
-    def gets(self) -> Reply | bool:
+    def gets(self) -> Reply | Literal[False]:
         """The oldest request's reply if it has fully arrived, else False."""
         if not self._expected:
             if self._avail:

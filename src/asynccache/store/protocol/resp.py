@@ -55,7 +55,7 @@ class RespParser:
         return self._view
 
     def received(self, n: int) -> None:
-        self._parser.feed(self._inbox, 0, n)
+        self._parser.feed(self._inbox, 0, n)  # type: ignore[arg-type]  # any buffer
 
     @property
     def idle(self) -> bool:

@@ -92,7 +92,7 @@ class RedisClusterClient(BaseClient[ClusterState]):
     def _init_runtime(self) -> None:
         super()._init_runtime()
         #: the primaries of the latest slot map this process read (see node_names)
-        self._primaries: tuple[str, ...] = ()
+        self._primaries: tuple[NodeName, ...] = ()
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -107,11 +107,11 @@ class RedisClusterClient(BaseClient[ClusterState]):
         return f"{scheme}://{auth}{hosts}"
 
     @property
-    def node_names(self) -> tuple[str, ...]:
+    def node_names(self) -> tuple[NodeName, ...]:
         """The primaries (``host:port``) of the latest slot map read in this process; the
         startup nodes until one was read. A failure before any map was read (no startup
         node answers) is reported under :attr:`safe_url`."""
-        return self._primaries or tuple(f"{h}:{p}" for h, p in self.nodes)
+        return self._primaries or tuple(NodeName(f"{h}:{p}") for h, p in self.nodes)
 
     # -- per-loop state: the slot map and one connection per primary -------------------
     def _open_state(self) -> ClusterState:
@@ -156,16 +156,16 @@ class RedisClusterClient(BaseClient[ClusterState]):
     def _sync_nodes(self, state: ClusterState) -> None:
         """One connection per primary of the current map; close the others. Publish the
         map as a new :class:`SlotView` (the read paths' lookups)."""
-        primaries = {n.name: n for n in state.topology.get_primaries()}
+        primaries = {NodeName(n.name): n for n in state.topology.get_primaries()}
         for name in [name for name in state.nodes if name not in primaries]:
             state.nodes.pop(name).close()
         for name, node in primaries.items():
             if name not in state.nodes:
                 state.nodes[name] = RespConnection(self._endpoint(node.host, int(node.port)))
-        owners: list[str | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
+        owners: list[NodeName | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
         for slot, holders in state.topology.nodes_manager.slots_cache.items():
             if holders and holders[0].name in primaries:  # [0]: the slot's primary
-                owners[slot] = holders[0].name
+                owners[slot] = NodeName(holders[0].name)
         state.view = SlotView(state.view.generation + 1, tuple(owners),
                                {name: (n.host, int(n.port)) for name, n in primaries.items()})
         self._primaries = tuple(primaries)
@@ -283,7 +283,7 @@ class RedisClusterClient(BaseClient[ClusterState]):
         try:
             state = await self._ready()
         except StoreError as exc:
-            return ReadResult([NOT_READ] * len(keys), failures={self.safe_url: exc})
+            return ReadResult([NOT_READ] * len(keys), failures={NodeName(self.safe_url): exc})
         call = Read(self, state, skip, len(keys))
         if keys:
             await call.read(keys)
@@ -296,7 +296,7 @@ class RedisClusterClient(BaseClient[ClusterState]):
         try:
             state = await self._ready()
         except StoreError as exc:
-            return WriteResult(failures={self.safe_url: exc}, failed_keys=len(entries))
+            return WriteResult(failures={NodeName(self.safe_url): exc}, failed_keys=len(entries))
         items = list(entries.items())
         call = Write(self, state, skip, items)
         if items:
@@ -318,7 +318,7 @@ class RedisClusterClient(BaseClient[ClusterState]):
     async def ping(self) -> None:
         """``PING`` every primary of the slot map, concurrently."""
         state = await self._ready()
-        primaries = [Target(n.name, n.host, int(n.port))
+        primaries = [Target(NodeName(n.name), n.host, int(n.port))
                      for n in state.topology.get_primaries()]
         replies = await asyncio.gather(
             *(self._connection(state, target).execute([[PING]]) for target in primaries),
@@ -343,7 +343,7 @@ class RedisClusterClient(BaseClient[ClusterState]):
     # -- administration -------------------------------------------------------------------
     async def _primaries_now(self) -> tuple[ClusterState, list[Target]]:
         state = await self._ready()
-        return state, [Target(n.name, n.host, int(n.port))
+        return state, [Target(NodeName(n.name), n.host, int(n.port))
                        for n in state.topology.get_primaries()]
 
     async def server_info(self) -> dict[str, Any]:

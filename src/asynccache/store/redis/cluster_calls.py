@@ -52,7 +52,7 @@ def _redirect(reply: Any, replier_host: str) -> Target | None:
     if not port.isdigit():
         return None
     host = host or replier_host
-    return Target(f"{host}:{port}", host, int(port), asking=kind == "ASK")
+    return Target(NodeName(f"{host}:{port}"), host, int(port), asking=kind == "ASK")
 
 
 def _unexpected(node: str, exc: Exception) -> StoreError:
@@ -76,21 +76,21 @@ class _Call(ABC):
         self.client = client
         self.state = state
         self.skip = skip
-        self.failures: dict[str, StoreError] = {}
-        self.replied: dict[str, None] = {}  # nodes that answered, in order
+        self.failures: dict[NodeName, StoreError] = {}
+        self.replied: dict[NodeName, None] = {}  # nodes that answered, in order
         self.failed_keys = 0
         self.skipped = 0
         self.refresh_soon = False  # a node did not answer: the map may be stale
 
     @abstractmethod
-    def on_reply(self, node: str, command: Command, reply: Any) -> None:
+    def on_reply(self, node: NodeName, command: Command, reply: Any) -> None:
         """A reply that is neither a redirection nor a node-level error."""
 
     @property
-    def answered(self) -> list[str]:
+    def answered(self) -> list[NodeName]:
         return [node for node in self.replied if node not in self.failures]
 
-    def fail(self, node: str, error: StoreError, commands: Sequence[Command] | int) -> None:
+    def fail(self, node: NodeName, error: StoreError, commands: Sequence[Command] | int) -> None:
         """``node`` failed for ``commands`` (or that many keys)."""
         self.failures.setdefault(node, error)
         self.failed_keys += (commands if type(commands) is int
@@ -119,13 +119,13 @@ class _Call(ABC):
                 owner = owner_of(command.slot)
             except (rexc.SlotNotCoveredError, KeyError):  # redis-py 8 lets a KeyError out
                 url = self.client.safe_url
-                self.fail(url, StoreUnavailable(
+                self.fail(NodeName(url), StoreUnavailable(
                     f"slot {command.slot} of redis cluster {url} is served by no node"),
                     [command])
                 continue
             group = groups.get(owner.name)
             if group is None:
-                group = (Target(owner.name, owner.host, int(owner.port)), [])
+                group = (Target(NodeName(owner.name), owner.host, int(owner.port)), [])
                 groups[owner.name] = group
             group[1].append(command)
         return groups
@@ -206,7 +206,7 @@ class Read(_Call):
     async def read(self, keys: Sequence[bytes]) -> None:
         slots = key_slots(keys)
         owners = self.state.view.owners
-        groups: dict[str | None, list[int]] = {}
+        groups: dict[NodeName | None, list[int]] = {}
         distinct = len(set(slots)) == len(slots)  # no slot with two keys (most batches)
         for position, node in enumerate([owners[slot] for slot in slots]):
             group = groups.get(node)
@@ -217,7 +217,7 @@ class Read(_Call):
         unserved = groups.pop(None, None)
         if unserved is not None:
             url = self.client.safe_url
-            self.fail(url, StoreUnavailable(
+            self.fail(NodeName(url), StoreUnavailable(
                 f"slot {slots[unserved[0]]} of redis cluster {url} is served by no node"),
                 len(unserved))
         # every node's request is written first, then the replies are awaited in turn:
@@ -226,11 +226,12 @@ class Read(_Call):
         primaries = self.state.view.primaries
         sent: list[tuple[Target, list[int], list[Command] | None, RespConnection, Any]] = []
         for node, positions in groups.items():
+            assert node is not None  # the unserved ones were popped above
             if node in self.skip:
                 self.skipped += len(positions)
                 continue
-            host, port = primaries[node]  # type: ignore[index]
-            target = Target(node, host, port)  # type: ignore[arg-type]
+            host, port = primaries[node]
+            target = Target(node, host, port)
             try:
                 commands, data, n = self._pack(keys, slots, positions, distinct)
                 conn = self.client._connection(self.state, target)
@@ -302,7 +303,7 @@ class Read(_Call):
                 command.request = [pack_mget((keys[command.positions[0]],))]
             self.handle(target, command, reply, redirects)
 
-    def on_reply(self, node: str, command: Command, reply: Any) -> None:
+    def on_reply(self, node: NodeName, command: Command, reply: Any) -> None:
         if type(reply) is not list:
             try:
                 check_mget_reply(reply, f"cluster node {node}")
@@ -322,7 +323,7 @@ class Write(_Call):
         self.written = 0
         self.rejected: dict[bytes, StoreError] = {}
 
-    def on_reply(self, node: str, command: Command, reply: Any) -> None:
+    def on_reply(self, node: NodeName, command: Command, reply: Any) -> None:
         if not is_error(reply):
             self.written += 1
             return
@@ -339,7 +340,7 @@ class Add(_Call):
         super().__init__(client, state, ())
         self.added = [False] * n
 
-    def on_reply(self, node: str, command: Command, reply: Any) -> None:
+    def on_reply(self, node: NodeName, command: Command, reply: Any) -> None:
         if is_error(reply):
             self.fail(node, StoreError(f"redis cluster node {node} refused SET NX: {reply}"),
                       [command])
@@ -348,7 +349,7 @@ class Add(_Call):
 
 
 class Delete(_Call):
-    def on_reply(self, node: str, command: Command, reply: Any) -> None:
+    def on_reply(self, node: NodeName, command: Command, reply: Any) -> None:
         if is_error(reply):
             self.fail(node, StoreError(f"redis cluster node {node} refused DEL: {reply}"),
                       [command])
@@ -361,7 +362,7 @@ class Exists(_Call):
         super().__init__(client, state, ())
         self.found = [False] * n
 
-    def on_reply(self, node: str, command: Command, reply: Any) -> None:
+    def on_reply(self, node: NodeName, command: Command, reply: Any) -> None:
         if is_error(reply):
             self.fail(node, StoreError(f"redis cluster node {node} refused EXISTS: {reply}"),
                       [command])
@@ -376,7 +377,7 @@ class Sizes(_Call):
         super().__init__(client, state, ())
         self.sizes: list[int | None] = [None] * n
 
-    def on_reply(self, node: str, command: Command, reply: Any) -> None:
+    def on_reply(self, node: NodeName, command: Command, reply: Any) -> None:
         try:
             self.sizes[command.positions[0]] = size_of(reply, f"cluster node {node}")
         except StoreError as exc:

@@ -197,8 +197,8 @@ class UnservedKeys(AnsweredAtSend):
         self.name = name
         self._read = read
 
-    @property  # type: ignore[override]
-    def node(self) -> NodeName:
+    @property
+    def node(self) -> NodeName:  # type: ignore[override]
         return NodeName(self.name())
 
     def read(self, keys: Sequence[bytes]) -> list[Any]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
+from ..api import NodeName
 from .connection import Request, RespConnection
 
 __all__ = ["NO_VIEW", "ClusterState", "Command", "SlotView", "Target", "key_slots"]
@@ -34,8 +35,8 @@ class SlotView:
     ``owners[slot]`` is the primary's name (None: no node serves the slot)."""
 
     generation: int
-    owners: tuple[str | None, ...]
-    primaries: dict[str, tuple[str, int]]  # name -> (host, port)
+    owners: tuple[NodeName | None, ...]
+    primaries: dict[NodeName, tuple[str, int]]  # name -> (host, port)
 
 
 NO_VIEW = SlotView(0, (None,) * REDIS_CLUSTER_HASH_SLOTS, {})
@@ -46,7 +47,7 @@ class Command:
     """One command about keys of one slot; ``positions`` index the caller's keys."""
 
     slot: int
-    positions: list[int]
+    positions: Sequence[int]
     request: Request
 
 
@@ -55,7 +56,7 @@ class Target:
     """A node to send commands to: the slot's owner in the map, or where a ``MOVED`` /
     ``ASK`` reply sends them (``asking``: each command goes after an ``ASKING``)."""
 
-    node: str  # "host:port": the name failures are reported under
+    node: NodeName  # "host:port": the name failures are reported under
     host: str
     port: int
     asking: bool = False
@@ -64,7 +65,7 @@ class Target:
 @dataclass
 class ClusterState:
     topology: RedisCluster  # the slot map only: no data goes through redis-py
-    nodes: dict[str, RespConnection] = field(default_factory=dict)  # "host:port" -> conn
+    nodes: dict[NodeName, RespConnection] = field(default_factory=dict)  # "host:port" -> conn
     ready: bool = False  # the slot map was read once
     view: SlotView = NO_VIEW  # the slot map as of the last read
     refresh: asyncio.Task[None] | None = None  # background re-read after a failure

@@ -95,6 +95,7 @@ class Endpoint:
             if self.unix_socket_path:
                 coro: Any = loop.create_unix_connection(protocol, self.unix_socket_path)
             else:
+                assert self.host is not None and self.port is not None
                 context = None if self.tls is None else self.tls.context()
                 coro = loop.create_connection(
                     protocol, self.host, self.port, ssl=context,
