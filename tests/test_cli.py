@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 
 import asynccache as ac
 from asynccache.__main__ import main
-from asynccache.keys import lease_key, namespace_prefix
+from asynccache.cache.keys import lease_key, namespace_prefix
 from asynccache.testing import servers
 from conftest import url_for
 

@@ -8,7 +8,7 @@ import pickle
 import pytest
 
 import asynccache as ac
-from asynccache.clients.memcached import rendezvous_owner, safe_memcached_key
+from asynccache.store.memcached.client import rendezvous_owner, safe_memcached_key
 from asynccache.testing import servers
 
 pytestmark = pytest.mark.anyio

@@ -18,10 +18,10 @@ import pytest
 from redis.crc import key_slot
 
 import asynccache as ac
-from asynccache.clients import RedisClusterClient
-from asynccache.clients.base import NOT_READ
-from asynccache.clients.blocking_cluster import BlockingClusterConnection
-from asynccache.sources import SocketSource
+from asynccache.readahead.readers import SocketReader
+from asynccache.store.api import NOT_READ
+from asynccache.store.redis.cluster import RedisClusterClient
+from asynccache.store.redis.cluster_reads import BlockingClusterConnection
 from asynccache.testing import servers
 
 pytestmark = pytest.mark.anyio
@@ -442,9 +442,9 @@ async def test_a_batch_with_several_keys_per_slot_reads_them_in_order(
 
 
 # -- consumer-side reads (dp[i] on the consumer's own sockets) ----------------------------
-def consumer_source(pipe: ac.AsyncKVCacheMapDataPipe) -> SocketSource:
-    source = pipe._runtime().prefetcher().source
-    assert isinstance(source, SocketSource), f"dp[i] reads through {type(source).__name__}"
+def consumer_source(pipe: ac.AsyncKVCacheMapDataPipe) -> SocketReader:
+    source = pipe._runtime().prefetcher().reader
+    assert isinstance(source, SocketReader), f"dp[i] reads through {type(source).__name__}"
     return source
 
 

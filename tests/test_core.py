@@ -165,7 +165,8 @@ async def test_foreign_bytes_are_a_counted_miss(
 
 async def test_write_behind_flush(client: ac.BaseClient, namespace: str) -> None:
     async with ac.AsyncKVCache(client, namespace=namespace) as cache:
-        cache.write_behind(cache.encode_entries({cache.key(i): i for i in range(500)}))
+        writer = cache.writer
+        writer.write_behind(writer.encode_entries({cache.key(i): i for i in range(500)}))
         await cache.flush()
         assert len(await cache.get_many(range(500))) == 500
 
@@ -173,7 +174,7 @@ async def test_write_behind_flush(client: ac.BaseClient, namespace: str) -> None
 async def test_write_behind_queue_is_bounded(namespace: str) -> None:
     cache = ac.AsyncKVCache(ac.MemoryClient(name=namespace), namespace=namespace,
                             max_pending_writes=100)
-    cache.write_behind(cache.encode_entries({cache.key(i): i for i in range(300)}))
+    cache.writer.write_behind(cache.writer.encode_entries({cache.key(i): i for i in range(300)}))
     await cache.flush()
     assert cache.stats()["writes_dropped"] == 200
     assert len(await cache.get_many(range(300))) == 100

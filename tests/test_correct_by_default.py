@@ -139,7 +139,7 @@ def test_two_nodes_with_other_map_fns_never_share_values(server_url: str) -> Non
 def test_an_unnamed_namespace_expires(redis_server: servers.RedisServer) -> None:
     import redis
 
-    from asynccache.keys import ANON_TTL
+    from asynccache.cache.keys import ANON_TTL
 
     with ac.AsyncKVCacheMapDataPipe(Samples(5), ac.connect(redis_server.url)) as dp:
         dp[0]

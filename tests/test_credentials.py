@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import asynccache as ac
-from asynccache.clients.base import CREDENTIALS_ENV_PREFIX
+from asynccache.store.credentials import CREDENTIALS_ENV_PREFIX
 from asynccache.testing import servers
 from conftest import SERVER_PASSWORD, TlsCerts
 

@@ -16,9 +16,10 @@ from torch.utils.data import MapDataPipe
 from torch.utils.data.datapipes.map import SequenceWrapper
 
 import asynccache as ac
-from asynccache import datapipe
-from asynccache.loop import get_loop_thread
-from asynccache.prefetch import WINDOW_GROWTH
+from asynccache.readahead import datapipe
+from asynccache.readahead import order as orders
+from asynccache.readahead.window import WINDOW_GROWTH
+from asynccache.store.loop import get_loop_thread
 from asynccache.testing import servers
 
 
@@ -301,7 +302,7 @@ def test_a_share_whose_last_batch_is_dropped_still_ends_with_visible_writes(
     the share the pipe cuts from the flat order also holds batch 4, so its real last batch
     leaves 3 items of the plan: less than a batch left is the end, and that batch's
     writes are in the store before it returns (visible="now")."""
-    monkeypatch.setattr(datapipe, "_worker_info",
+    monkeypatch.setattr(orders, "worker_info",
                         lambda: types.SimpleNamespace(id=0, num_workers=2))
     seen: list[str] = []
     real_compute = datapipe.AsyncKVCacheMapDataPipe._compute

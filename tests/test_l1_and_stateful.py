@@ -72,7 +72,7 @@ def test_l1_hands_out_fresh_objects(redis_server: Any, namespace: str, tmp_path:
 
 
 def test_l1_is_bounded_and_least_recently_used_goes_first(namespace: str) -> None:
-    from asynccache.l1 import L1Cache
+    from asynccache.cache.l1 import L1Cache
 
     l1 = L1Cache(10_000)
     for i in range(100):

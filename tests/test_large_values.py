@@ -1,6 +1,6 @@
 """Large values on the consumer's own socket: the parser switch, faults, damaged values.
 
-Values of 64 KiB and more are read by :class:`~asynccache.protocol.resp_bulk.BulkReader`
+Values of 64 KiB and more are read by :class:`~asynccache.store.protocol.resp_bulk.BulkReader`
 (each into its own buffer), smaller ones by hiredis; the connection changes parser at a
 reply boundary when the sizes it sees cross the threshold. Every test reads through the
 pipe from a real Redis, behind the loopback fault proxy where a fault is injected, and
@@ -17,7 +17,7 @@ import pytest
 import redis
 
 import asynccache as ac
-from asynccache.clients.blocking import BlockingRespConnection
+from asynccache.store.redis.reads import BlockingRespConnection
 from asynccache.testing import servers
 from asynccache.testing.proxy import FaultProxy, url_through
 

@@ -210,20 +210,20 @@ async def test_a_lease_freed_since_the_miss_is_a_value_not_a_compute(
     holder = ac.AsyncKVCache(ac.connect(lease_url), namespace=namespace, lease=5)
     waiter = ac.AsyncKVCache(ac.connect(lease_url), namespace=namespace, lease=5)
     keys = [holder.key(i) for i in range(8)]
-    found, mine, theirs = await holder.claim(keys)
+    found, mine, theirs = await holder.leases.claim(keys)
     assert (found, mine, theirs) == ({}, keys, [])
-    found, mine, theirs = await waiter.claim(keys)
+    found, mine, theirs = await waiter.leases.claim(keys)
     assert (found, mine, theirs) == ({}, [], keys)  # the holder computes them
-    values, _ = await waiter.read_values(keys)
+    values, _ = await waiter.reads.values(keys)
     assert all(v is ac.MISSING for v in values)  # the waiter's read: not there yet
     await holder.set_many({i: f"v{i}" for i in range(6)})  # 6 written, 2 still computing
-    await holder.release_leases(keys)  # ... and every lease dropped (2 given up)
-    found, mine, theirs = await waiter.claim(keys)
+    await holder.leases.release(keys)  # ... and every lease dropped (2 given up)
+    found, mine, theirs = await waiter.leases.claim(keys)
     assert found == {keys[i]: f"v{i}" for i in range(6)}
     assert mine == keys[6:] and theirs == []
     stats = waiter.stats()
     assert stats["leases"] == 2 and stats["lease_hits"] == 6
-    again, _, theirs = await holder.claim(keys[:6])  # their fresh leases were dropped
+    again, _, theirs = await holder.leases.claim(keys[:6])  # their fresh leases were dropped
     assert again == {k: f"v{i}" for i, k in enumerate(keys[:6])} and theirs == []
     for cache in (holder, waiter):
         await cache.client.close()
@@ -276,9 +276,9 @@ async def test_a_memcached_lease_lasts_at_least_lease_seconds(
     for phase in range(3):
         await asyncio.sleep(0.33 * phase)
         key = holder.key(f"k{phase}")
-        assert (await holder.claim([key]))[1] == [key]
+        assert (await holder.leases.claim([key]))[1] == [key]
         started = time.monotonic()
-        while (await other.claim([key]))[1] != [key]:
+        while (await other.leases.claim([key]))[1] != [key]:
             await asyncio.sleep(0.01)
         held.append(time.monotonic() - started)
     for cache in (holder, other):

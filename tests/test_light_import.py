@@ -62,7 +62,7 @@ def test_the_functional_follows_torchs_datapipe_docstring_convention() -> None:
 def test_the_docstring_example_runs() -> None:
     import doctest
 
-    import asynccache.datapipe
+    import asynccache.readahead.datapipe
 
-    result = doctest.testmod(asynccache.datapipe, verbose=False)
+    result = doctest.testmod(asynccache.readahead.datapipe, verbose=False)
     assert result.attempted >= 4 and result.failed == 0

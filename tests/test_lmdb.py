@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import asynccache as ac
-from asynccache.clients.lmdb import MAGIC, LmdbClient, pack_value
+from asynccache.store.lmdb.client import MAGIC, LmdbClient, pack_value
 
 SRC = Path(__file__).parent.parent / "src"
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 import asynccache as ac
-from asynccache.clients.lmdb import LmdbClient
+from asynccache.store.lmdb.client import LmdbClient
 
 SRC = Path(__file__).parent.parent / "src"
 PAGE = 4096

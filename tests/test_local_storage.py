@@ -30,9 +30,9 @@ from torchdata.nodes import SamplerWrapper
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import asynccache as ac
-from asynccache import board as board_module
-from asynccache.board import ENV_DIR, META_FILE, StatsBoard, boards_root
 from asynccache.nodes import CachedMapper, NodeIterable
+from asynccache.observe import board as board_module
+from asynccache.observe.board import ENV_DIR, META_FILE, StatsBoard, boards_root
 from asynccache.testing import servers
 
 OTHER_UID = 65534  # nobody

@@ -20,15 +20,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import asynccache as ac
-from asynccache.clients.base import NOT_READ
-from asynccache.clients.blocking_memcached import BlockingMemcachedConnection
-from asynccache.clients.memcached import (
+from asynccache.store.api import NOT_READ
+from asynccache.store.memcached.client import (
     MemcachedClient,
-    MemcachedConnection,
     rendezvous_owner,
     safe_memcached_key,
 )
-from asynccache.protocol.memcache import (
+from asynccache.store.memcached.connection import MemcachedConnection, memcached_endpoint
+from asynccache.store.memcached.reads import BlockingMemcachedConnection
+from asynccache.store.protocol.memcache import (
     DELETED,
     NOT_FOUND,
     STORED,
@@ -200,8 +200,9 @@ def total_connections(server: servers.MemcachedServer) -> int:
 
 def blocking(server: servers.MemcachedServer | FaultProxy | ScriptedServer,
              timeout: float = 1.0) -> BlockingMemcachedConnection:
-    return BlockingMemcachedConnection(server.host, server.port, timeout=timeout,
-                                       connect_timeout=1.0, max_value=2 << 20)
+    return BlockingMemcachedConnection(
+        memcached_endpoint(server.host, server.port, timeout=timeout, connect_timeout=1.0),
+        max_value=2 << 20)
 
 
 class ScriptedServer:
@@ -449,8 +450,8 @@ def test_blocking_read_after_the_server_closed_the_idle_connection(
 async def test_asyncio_request_retried_once_when_a_fresh_connection_closes() -> None:
     with ScriptedServer([close_after_request,
                          answer(b"VERSION 1\r\n", b"END\r\n")]) as server:
-        conn = MemcachedConnection(server.host, server.port, timeout=1.0,
-                                   connect_timeout=1.0, max_value=1024)
+        conn = MemcachedConnection(memcached_endpoint(server.host, server.port),
+                                   max_value=1024)
         try:
             assert await conn.execute([VERSION]) == [b"VERSION 1"]  # retried, no error
             assert await conn.execute([pack_get([b"k"])]) == [[None]]
@@ -486,8 +487,8 @@ def test_blocking_request_retried_once_after_idle_but_not_mid_stream() -> None:
 async def test_a_value_nobody_asked_for_fails_the_connection() -> None:
     stray = b"VALUE other 0 1\r\nx\r\nEND\r\n"
     with ScriptedServer([answer(stray), answer(stray)]) as server:
-        conn = MemcachedConnection(server.host, server.port, timeout=1.0,
-                                   connect_timeout=1.0, max_value=1024)
+        conn = MemcachedConnection(memcached_endpoint(server.host, server.port),
+                                   max_value=1024)
         with pytest.raises(ac.StoreError, match="not asked for"):
             await conn.execute([pack_get([b"mine"])])
         conn.close()

@@ -26,8 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from torch.utils.data import DataLoader
 
 import asynccache as ac
-from asynccache.board import StatsBoard
 from asynccache.metrics import CacheCollector, log_summary, register, summary_line
+from asynccache.observe.board import StatsBoard
 from asynccache.testing import servers
 from asynccache.testing.proxy import FaultProxy, url_through
 

@@ -16,9 +16,9 @@ import pytest
 from torchdata.nodes import Loader, SamplerWrapper
 
 import asynccache as ac
-from asynccache.clients.lmdb import LmdbClient
 from asynccache.nodes import CachedMapper
-from asynccache.registry import unregister_scheme
+from asynccache.store.lmdb.client import LmdbClient
+from asynccache.store.registry import unregister_scheme
 from outside_provider.sqlite_store import SqliteStore
 
 TESTS = Path(__file__).parent

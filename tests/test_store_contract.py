@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 import asynccache as ac
-from asynccache.registry import unregister_scheme
+from asynccache.store.registry import unregister_scheme
 from conftest import url_for
 from outside_provider.sqlite_store import SqliteStore
 

@@ -15,7 +15,7 @@ from urllib.parse import quote
 import pytest
 
 import asynccache as ac
-from asynccache.clients.endpoint import wait_ready
+from asynccache.store.transport.endpoint import wait_ready
 from asynccache.testing import servers
 from asynccache.testing.proxy import FaultProxy, url_through
 from conftest import TlsCerts

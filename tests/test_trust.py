@@ -23,7 +23,7 @@ import xxhash
 from torch.utils.data import DataLoader
 
 import asynccache as ac
-from asynccache.codec import MAGIC
+from asynccache.cache.codec.codec import MAGIC
 from asynccache.errors import SignatureError
 from asynccache.testing import servers
 

@@ -19,14 +19,14 @@ dict cache of PyTorch pipelines, without a network round trip per item::
 from __future__ import annotations
 
 import logging as _logging
+from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
 from ._torch import register_functional as _register_functional
 from ._torch import when_imported as _when_imported
-from .clients import BaseClient, MemcachedClient, MemoryClient, RedisClient
-from .codec import Codec
-from .connect import connect
-from .core import MISSING, AsyncKVCache
+from .cache.codec import Codec
+from .cache.core import AsyncKVCache
+from .cache.markers import MISSING
 from .errors import (
     CacheError,
     ClosedError,
@@ -47,8 +47,17 @@ from .errors import (
     Unsupported,
     ValueTooLarge,
 )
-from .provider import Provider
-from .registry import register_scheme
+from .store.api import BaseClient
+from .store.connect import connect
+from .store.memcached.client import MemcachedClient
+from .store.memory import MemoryClient
+from .store.provider import Provider
+from .store.redis.client import RedisClient
+from .store.registry import register_scheme
+
+if _TYPE_CHECKING:  # loaded lazily by __getattr__ below (torch, redis-py)
+    from .readahead.datapipe import AsyncKVCacheMapDataPipe
+    from .store.redis.cluster import RedisClusterClient
 
 __version__ = "0.1.0"
 
@@ -105,11 +114,11 @@ if _summary_logger.level == _logging.NOTSET:
 def __getattr__(name: str) -> _Any:
     """The PyTorch integration, imported (with torch) when first asked for."""
     if name == "AsyncKVCacheMapDataPipe":
-        from .datapipe import AsyncKVCacheMapDataPipe
+        from .readahead.datapipe import AsyncKVCacheMapDataPipe
 
         return AsyncKVCacheMapDataPipe
     if name == "RedisClusterClient":  # imports redis-py (the cluster's slot map)
-        from .clients.cluster import RedisClusterClient
+        from .store.redis.cluster import RedisClusterClient
 
         return RedisClusterClient
     raise AttributeError(f"module 'asynccache' has no attribute {name!r}")

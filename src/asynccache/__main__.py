@@ -14,16 +14,15 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from . import __version__
-from ._redact import mask_text, mask_url
 from .errors import CacheError, MissingDependency
-from .testing.servers import TestingError
+from .store.credentials import mask_text, mask_url
 
 __all__ = ["COMMANDS", "main"]
 
 #: command name -> (module, one-line summary shown by ``asynccache --help``)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": (
-        "asynccache.demo",
+        "asynccache.cli.demo",
         "cold and warm DataLoader epochs without a cache, with a per-worker dict "
         "and with async_kv_cache on a private Redis-compatible server",
     ),
@@ -126,9 +125,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"asynccache {args.command}: error: {missing}", file=sys.stderr)
         return EXIT_ERROR
-    except (CacheError, TestingError) as exc:
+    except Exception as exc:
+        if not isinstance(exc, CacheError) and not _testing_error(exc):
+            raise
         print(f"asynccache {args.command}: error: {mask_text(str(exc))}", file=sys.stderr)
         return EXIT_ERROR
+
+
+def _testing_error(exc: BaseException) -> bool:
+    """A failure of asynccache.testing (a server that would not start): only a command
+    that imported it can raise one, so the command line does not import it up front."""
+    servers = sys.modules.get("asynccache.testing.servers")
+    return servers is not None and isinstance(exc, servers.TestingError)
 
 
 if __name__ == "__main__":

@@ -1,23 +1,29 @@
-"""What a forked child inherits from its parent and must never touch, nor free.
+"""Fork safety, one mechanism for the whole package: the fork generation.
 
-After ``fork`` the child holds copies of the parent's event loop, transports and
-connection pools. Using them would share sockets with the parent; letting them be
-garbage-collected would run their finalizers (uvloop's and asyncio's "unclosed
-transport" handlers, pending-task warnings) on objects that belong to another
-process. So the child parks them here for the rest of its life and builds fresh ones.
+Per-process state (a loop thread, a client's connections, a pipe's runtime) remembers
+``_fork.generation`` when it is made; a forked child has a higher one, so a saved value
+that differs means "made by an ancestor: do not use it" (a comparison of two ints on the
+hot path; ``os.getpid()`` is a system call). The child parks what it inherited here
+(:func:`park_inherited`, never touched nor freed) and builds its own. Locks that another
+thread may have held at the fork are replaced through :func:`at_fork`, the one place
+that registers with ``os.register_at_fork``.
+
+Process *identity* is another matter: the owner of a stats board, the holder of a lease
+and the files on a board are named by pid, which also tells a spawned process (fresh
+interpreter, generation 0) from its parent.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["generation", "park_inherited"]
+__all__ = ["at_fork", "generation", "park_inherited"]
 
 _parked: list[Any] = []
 
-#: Bumped in every forked child: comparing a saved value with it is the per-item
-#: "did we fork?" check (``os.getpid()`` is a system call).
+#: Bumped in every forked child, before any other after-fork callback runs.
 generation = 0
 
 
@@ -26,7 +32,22 @@ def _forked() -> None:
     generation += 1
 
 
-os.register_at_fork(after_in_child=_forked)
+def at_fork(*, before: Callable[[], None] | None = None,
+            in_parent: Callable[[], None] | None = None,
+            in_child: Callable[[], None] | None = None) -> None:
+    """Run ``before`` ahead of every fork and ``in_parent`` / ``in_child`` after it (in the
+    child after the generation moved on)."""
+    kwargs: dict[str, Callable[[], None]] = {}
+    if before is not None:
+        kwargs["before"] = before
+    if in_parent is not None:
+        kwargs["after_in_parent"] = in_parent
+    if in_child is not None:
+        kwargs["after_in_child"] = in_child
+    os.register_at_fork(**kwargs)
+
+
+at_fork(in_child=_forked)
 
 
 def park_inherited(obj: Any) -> None:

@@ -85,4 +85,4 @@ def when_imported(name: str, callback: Callable[[], None]) -> None:
 
 def register_functional() -> None:
     """Import the pipe, which registers ``MapDataPipe.async_kv_cache``."""
-    importlib.import_module("asynccache.datapipe")
+    importlib.import_module("asynccache.readahead.datapipe")

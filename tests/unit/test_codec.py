@@ -1,4 +1,4 @@
-"""Tests for asynccache.codec: round trips, zero-copy buffers, compression, key binding,
+"""Tests for asynccache.cache.codec.codec: round trips, zero-copy buffers, compression, key binding,
 damage detection and bounded decoding of hostile input."""
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import asynccache.codec as codec_module
-from asynccache.codec import (
+from asynccache.cache.codec import compression as compression_module
+from asynccache.cache.codec import pickling
+from asynccache.cache.codec.codec import (
     DEFAULT_CODEC,
     HEADER_SIZE,
     MAGIC,
@@ -342,10 +343,10 @@ def test_torch_views_roundtrip(make: Any) -> None:
 
 def test_rebuild_tensor_from_readonly_or_bad_input() -> None:
     """The unpickle hook copies read-only buffers (torch would warn) and rejects bad dtypes."""
-    t = codec_module._rebuild_tensor(struct.pack("<2f", 1.0, 2.0), "float32", (2,))
+    t = pickling.rebuild_tensor(struct.pack("<2f", 1.0, 2.0), "float32", (2,))
     assert torch.equal(t, torch.tensor([1.0, 2.0]))
     with pytest.raises(DecodeError, match="dtype"):
-        codec_module._rebuild_tensor(bytearray(8), "Tensor", (2,))
+        pickling.rebuild_tensor(bytearray(8), "Tensor", (2,))
 
 
 def test_torch_requires_grad_and_parameter_use_torch_pickling() -> None:
@@ -822,7 +823,7 @@ def test_compressed_frame_without_recorded_size_is_refused() -> None:
 
 @pytest.mark.parametrize("kind,bits", [("lz4", 2), ("zstd", 1)])
 def test_compressed_frame_with_trailing_bytes_is_refused(kind: str, bits: int) -> None:
-    frame = codec_module._compress(kind, pickle.dumps("x" * 1000), None)
+    frame = compression_module.compress(kind, pickle.dumps("x" * 1000), None)
     with pytest.raises(DecodeError, match=kind):
         Codec().decode(seal(bits, frame + b"junk"), KEY)
 

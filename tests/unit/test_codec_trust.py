@@ -1,4 +1,4 @@
-"""Tests for the trusted configurations of asynccache.codec: signed values (secret=...) and
+"""Tests for the trusted configurations of the codec: signed values (secret=...) and
 pickle-free values (allow_pickle=False), against a forger who can write any bytes to the
 store. No I/O."""
 
@@ -30,9 +30,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import asynccache
-import asynccache.codec as codec_module
-from asynccache import codec_plain
-from asynccache.codec import MAGIC, ChunkManifest, Codec, join_chunks, split_chunks
+import asynccache.cache.codec.codec as codec_module
+from asynccache.cache.codec import mac
+from asynccache.cache.codec import plain as codec_plain
+from asynccache.cache.codec.codec import MAGIC, ChunkManifest, Codec, join_chunks, split_chunks
 from asynccache.errors import (
     ConfigError,
     DecodeError,
@@ -208,8 +209,8 @@ def test_missing_packages_are_a_missing_dependency(monkeypatch: pytest.MonkeyPat
     with pytest.raises(MissingDependency, match="pip install blake3"):
         Codec(secret=NEW)
     monkeypatch.setattr(codec_module, "_codec_plain", None)
-    monkeypatch.delattr(asynccache, "codec_plain")
-    monkeypatch.setitem(sys.modules, "asynccache.codec_plain", None)
+    monkeypatch.delattr(asynccache.cache.codec, "plain")
+    monkeypatch.setitem(sys.modules, "asynccache.cache.codec.plain", None)
     with pytest.raises(MissingDependency, match="pip install msgpack"):
         Codec(allow_pickle=False)
     with pytest.raises(DecodeError, match="pip install msgpack"):
@@ -316,7 +317,7 @@ def test_signed_layout_is_the_documented_mac() -> None:
         blob = codec.encode(value, KEY)
         assert blob[:3] == MAGIC + b"\x02" and blob[3] == F_MAC | payload_flags
         mac_key = blake3.blake3(
-            NEW.encode(), derive_key_context=codec_module._MAC_CONTEXT
+            NEW.encode(), derive_key_context=mac.MAC_CONTEXT
         ).digest()
         mac_input = struct.pack("<Q", len(KEY)) + KEY + blob[:4] + blob[20:]
         assert blob[4:20] == blake3.blake3(mac_input, key=mac_key).digest(16)
@@ -685,7 +686,7 @@ def test_signature_is_checked_before_decompressing_or_parsing(
 
         return call
 
-    for name in ("_decompress", "_decode_manifest", "_split_oob"):
+    for name in ("decompress", "decode_manifest", "split_oob"):
         monkeypatch.setattr(codec_module, name, spy(name, getattr(codec_module, name)))
     monkeypatch.setattr(codec_plain, "loads", spy("plain", codec_plain.loads))
     forged_manifest = Codec().encode_manifest(ChunkManifest.for_blob(b"x" * 5000, 1024), KEY)

@@ -9,8 +9,8 @@ import time
 import pytest
 
 import asynccache as ac
-from asynccache.health import BACKOFF_START, FailurePolicy
-from asynccache.stats import Counters
+from asynccache.cache.health import BACKOFF_START, FailurePolicy
+from asynccache.observe.stats import Counters
 
 
 def policy(on_error: str = "fallback") -> FailurePolicy:

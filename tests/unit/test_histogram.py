@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from asynccache.histogram import BOUNDS, Histograms, Latency, merge
+from asynccache.observe.histogram import BOUNDS, Histograms, Latency, merge
 
 MS = 1_000_000  # ns
 

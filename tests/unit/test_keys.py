@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import asynccache as ac
-from asynccache.keys import check_namespace, encode_key, namespace_prefix
+from asynccache.cache.keys import check_namespace, encode_key, namespace_prefix
 
 atoms = st.one_of(st.integers(), st.text(), st.binary(), st.none())
 keys = st.recursive(atoms, lambda inner: st.tuples(inner, inner) | st.tuples(inner),
@@ -78,7 +78,7 @@ def test_namespace_rules() -> None:
 
 
 def test_chunk_and_lease_keys_never_collide_with_value_keys() -> None:
-    from asynccache.keys import chunk_keys, lease_key
+    from asynccache.cache.keys import chunk_keys, lease_key
 
     prefix = namespace_prefix("ns")
     value = prefix + encode_key("x")
@@ -96,7 +96,7 @@ def test_chunk_and_lease_keys_never_collide_with_value_keys() -> None:
 def test_a_keyspace_without_a_name_is_unique_and_travels_with_its_pickles() -> None:
     import pickle
 
-    from asynccache.keys import ANON_PREFIX, ANON_TTL, Keyspace
+    from asynccache.cache.keys import ANON_PREFIX, ANON_TTL, Keyspace
 
     a, b = Keyspace(None), Keyspace(None)
     assert a.namespace != b.namespace and a.namespace.startswith(ANON_PREFIX)
@@ -115,7 +115,7 @@ def test_a_keyspace_without_a_name_is_unique_and_travels_with_its_pickles() -> N
 def test_an_unnamed_keyspace_says_once_what_it_means(caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    from asynccache import keys
+    from asynccache.cache import keys
 
     keys._announced.clear()
     with caplog.at_level(logging.WARNING, logger="asynccache"):

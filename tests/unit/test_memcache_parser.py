@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asynccache.protocol.memcache import (
+from asynccache.store.protocol.memcache import (
     ErrorReply,
     ProtocolViolation,
     ReplyParser,

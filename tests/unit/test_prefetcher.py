@@ -13,24 +13,24 @@ from typing import Any
 import pytest
 
 import asynccache as ac
-from asynccache.clients.base import NOT_READ
-from asynccache.core import MISSING, Failed
-from asynccache.prefetch import (
+from asynccache.cache.markers import MISSING, Failed
+from asynccache.readahead.prefetch import Prefetcher
+from asynccache.readahead.readers import Reader, Ticket
+from asynccache.readahead.window import (
     FIRST_BATCH,
     FIRST_WINDOW,
     SMALL_WINDOW_BYTES,
-    Prefetcher,
     batch_size_for,
     sized_window,
 )
-from asynccache.sources import ReadSource, Ticket
+from asynccache.store.api import NOT_READ
 
 
 def key_of(index: Any) -> bytes:
     return repr(index).encode()
 
 
-class ScriptedSource(ReadSource):
+class ScriptedReader(Reader):
     """Completes tickets from ``store`` (index -> value); scripted faults per index.
 
     ``auto``: tickets complete as soon as they are submitted (the store answers at once).
@@ -96,8 +96,8 @@ class ScriptedSource(ReadSource):
 
 def make(store: dict[Any, Any], prefetch: int = 8, *, length: int | None = 100,
          strict: bool = False, auto: bool = False, value_bytes: int = 0,
-         prefetch_bytes: int = 32 << 20) -> tuple[Prefetcher, ScriptedSource]:
-    source = ScriptedSource(store, auto=auto, value_bytes=value_bytes)
+         prefetch_bytes: int = 32 << 20) -> tuple[Prefetcher, ScriptedReader]:
+    source = ScriptedReader(store, auto=auto, value_bytes=value_bytes)
     return Prefetcher(source, key_of, length, prefetch, strict, prefetch_bytes), source
 
 
@@ -350,7 +350,7 @@ def test_sized_window_bounds_items_by_bytes() -> None:
     assert sized_window(0, 32 * MIB, MIB) == (0, 0)           # prefetch=0 stays off
 
 
-def _scan(p: Prefetcher, source: ScriptedSource, n: int) -> tuple[list[Any], int]:
+def _scan(p: Prefetcher, source: ScriptedReader, n: int) -> tuple[list[Any], int]:
     """Read 0..n-1 in order, completing one request at a time; the most items ever
     requested ahead (in flight + ready)."""
     got, most = [], 0

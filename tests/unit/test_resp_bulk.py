@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asynccache.protocol.resp_bulk import MAX_LINE, BulkReader, ProtocolError
+from asynccache.store.protocol.resp_bulk import MAX_LINE, BulkReader, ProtocolError
 
 
 def mget_reply(values: list[bytes | None]) -> bytes:

@@ -8,8 +8,8 @@ import threading
 import pytest
 
 import asynccache as ac
-from asynccache.expiry import check_ttl
-from asynccache.writes import WriteQueue
+from asynccache.cache.expiry import check_ttl
+from asynccache.cache.writes import WriteQueue
 
 
 @pytest.mark.parametrize(("ttl", "seconds"), [

@@ -60,11 +60,8 @@ import psutil
 import torch
 from torch.utils.data import DataLoader
 
-from .. import demo as _demo
-from ..clients import MemcachedClient
-from ..connect import connect
-from ..datapipe import AsyncKVCacheMapDataPipe
-from ..demo import (
+from ..cli import demo as _demo
+from ..cli.demo import (
     ASYNC_CACHE,
     COLD,
     DICT_CACHE,
@@ -80,6 +77,9 @@ from ..demo import (
     measure_item_cost,
     timed_pass,
 )
+from ..readahead.datapipe import AsyncKVCacheMapDataPipe
+from ..store.connect import connect
+from ..store.memcached.client import MemcachedClient
 from ..testing import servers
 from ._common import cpu_model
 
@@ -425,7 +425,7 @@ def run(
         "quick": quick,
         "machine": machine,
         "dataset": {
-            "kind": "asynccache.demo.SyntheticImages",
+            "kind": "asynccache.cli.demo.SyntheticImages",
             "raw": f"3x{RAW_SIZE}x{RAW_SIZE}",
             "item": f"3x{OUT_SIZE}x{OUT_SIZE} uint8",
             "item_bytes": item_bytes,

@@ -46,7 +46,7 @@ import numpy as np
 import redis
 
 import asynccache as ac
-from asynccache.loop import get_loop_thread
+from asynccache.store.loop import get_loop_thread
 
 from . import plots
 from ._common import (

@@ -415,6 +415,7 @@ def _epoch(dataset: Any) -> tuple[float, float]:
         worker_init_fn=_one_thread,
     )
     if isinstance(dataset, ac.AsyncKVCacheMapDataPipe):
+        assert loader.batch_sampler is not None
         dataset.set_order(loader.batch_sampler)
     total = 0.0
     started = time.perf_counter()

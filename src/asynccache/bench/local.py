@@ -79,6 +79,7 @@ def _dataloader(url: str, namespace: str, n: int, size: int, reps: int) -> float
     loader = DataLoader(dp, batch_size=BATCH, shuffle=True, num_workers=WORKERS,
                         generator=torch.Generator().manual_seed(0), collate_fn=_listed,
                         persistent_workers=True, multiprocessing_context="fork")
+    assert loader.batch_sampler is not None
     dp.set_order(loader.batch_sampler)
     times = []
     try:

@@ -97,6 +97,7 @@ def _dataloader_case(url: str, namespace: str, n: int, workers: int, follow: boo
                         generator=torch.Generator().manual_seed(0), collate_fn=_listed,
                         persistent_workers=True, multiprocessing_context="fork")
     if follow:
+        assert loader.batch_sampler is not None
         dp.set_order(loader.batch_sampler)
     times, rates = [], []
     before = {"prefetch_hits": 0, "hits": 0, "misses": 0}
@@ -122,7 +123,7 @@ def _dataloader_case(url: str, namespace: str, n: int, workers: int, follow: boo
 def _in_process_cases(url: str, namespace: str, n: int, reps: int) -> dict[str, Any]:
     from torchdata.nodes import Loader, Mapper, SamplerWrapper
 
-    from ..nodes import CachedMapper
+    from ..readahead.nodes import CachedMapper
 
     ds = _Items(n, COMPUTE_S)
     client = ac.connect(url)

@@ -14,11 +14,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from .._redact import mask_text, mask_url
-from ..clients.base import BaseClient
-from ..connect import connect
+from ..cache.keys import check_namespace
 from ..errors import CacheError, ConfigError, StoreError, Unsupported
-from ..keys import check_namespace
+from ..store.api import BaseClient
+from ..store.connect import connect
+from ..store.credentials import mask_text, mask_url
 
 __all__ = [
     "EXIT_FAILED",

@@ -7,7 +7,7 @@ Two sources, because they answer different questions:
   their values;
 * the **processes on this machine** that use the namespace (pipes and nodes, their
   DataLoader workers included): the counters they publish to their stats boards
-  (:mod:`asynccache.board`), summed. That is the hit rate of the running jobs here; jobs
+  (:mod:`asynccache.observe.board`), summed. That is the hit rate of the running jobs here; jobs
   on other machines report on theirs. None running: ``"processes": 0``.
 """
 
@@ -17,10 +17,10 @@ import argparse
 import asyncio
 from typing import Any
 
-from ..board import StatsBoard
-from ..board import _alive as alive
+from ..cache.keys import namespace_prefix
 from ..errors import StoreError
-from ..keys import namespace_prefix
+from ..observe.board import StatsBoard
+from ..observe.board import _alive as alive
 from ._common import (
     EXIT_OK,
     add_common_options,
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
 def key_kind(prefix: bytes, key: bytes) -> str:
     """``value``, ``chunk`` or ``lease`` by the tag after the prefix (see
-    :mod:`asynccache.keys`); ``hashed`` for a key the store holds in digest form
+    :mod:`asynccache.cache.keys`); ``hashed`` for a key the store holds in digest form
     (memcached, a key it could not take verbatim), whose kind cannot be told."""
     if not key.startswith(prefix):
         return "hashed"

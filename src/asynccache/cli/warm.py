@@ -26,9 +26,9 @@ import sys
 import time
 from typing import Any
 
-from ..codec import Codec
+from ..cache.codec import Codec
+from ..cache.keys import namespace_prefix
 from ..errors import StoreError
-from ..keys import namespace_prefix
 from ._common import (
     EXIT_OK,
     add_common_options,

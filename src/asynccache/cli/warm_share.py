@@ -1,23 +1,6 @@
 """One ``asynccache warm`` worker: fill the store with its share of a dataset's items.
 
-Exactly what ``AsyncKVCacheMapDataPipe(dataset, client, namespace=NS, codec=...)`` would
-write on a miss: the same store keys (:meth:`AsyncKVCache.key`, i.e. ``key_for``: the
-index for a sequence, the mapping's keys for a keyed source), the same codec and
-encoding (chunks for values over the store's item size), the same TTL. A pipe reading
-afterwards finds hits and computes nothing.
-
-Per batch: one existence check that transfers no value (``contains_many``, or
-``sizes_many`` where the store may chunk values: Redis ``STRLEN``, memcached ``mg key
-s``); keys already there are skipped without computing them, which is what makes a
-second run resume. Then the missing items are computed and written. Where the store may
-chunk values, a key whose value is small enough to be a chunk manifest (at most
-``MAX_MANIFEST_BLOB``, 308 bytes) is read and decoded: a manifest whose chunks are gone
-(evicted apart from it) is a miss for the pipe, so it is written again. Larger values
-are never read: resuming over a namespace costs a few bytes per key, not its values.
-``--verify`` reads and decodes every value found instead (a value another codec or
-secret wrote is then rewritten; without it the pipe finds it a miss and rewrites it).
-The write of a batch is in flight while the next batch is computed: the worker is busy
-with the CPU, the store with the bytes.
+Why it is built this way: docs/design.md, "A warm worker".
 """
 
 from __future__ import annotations
@@ -30,11 +13,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..codec import MAX_MANIFEST_BLOB, Codec
-from ..connect import connect
-from ..core import MISSING, AsyncKVCache, Failed
+from ..cache.codec import MAX_MANIFEST_BLOB, Codec
+from ..cache.core import AsyncKVCache
+from ..cache.keys import chunk_keys
+from ..cache.markers import MISSING, Failed
 from ..errors import ConfigError, EncodeError, StoreError
-from ..keys import chunk_keys
+from ..store.connect import connect
 
 __all__ = ["WarmJob", "indices_of", "load_dataset", "run_share"]
 
@@ -93,9 +77,9 @@ def _map_style(obj: Any) -> bool:
 
 def indices_of(dataset: Any) -> Sequence[Any]:
     """What a pipe over ``dataset`` is indexed by: a mapping's keys, else 0..len-1."""
-    from ..datapipe import _mapping_behind
+    from ..readahead.order import mapping_behind
 
-    mapping = _mapping_behind(dataset)
+    mapping = mapping_behind(dataset)
     return list(mapping.keys()) if mapping is not None else range(len(dataset))
 
 
@@ -162,7 +146,7 @@ class _Share:
 
     async def present(self, keys: list[bytes]) -> set[bytes]:
         """Of ``keys``, those to skip: the store holds a value for them, found without
-        transferring it (see the module docs); with ``verify``, values a pipe would
+        transferring it (docs/design.md, "A warm worker"); with ``verify``, values a pipe would
         read as a hit."""
         if self.verify:
             return await self.readable(keys)
@@ -185,7 +169,7 @@ class _Share:
         if not keys:
             return set()
         blobs = await self.client.get_many(keys)
-        values, manifests, _nbytes = self.cache.decode_blobs(keys, blobs)
+        values, manifests, _nbytes = self.cache.reads.decode(keys, blobs)
         found = {key for key, value in zip(keys, values)
                  if value is not MISSING and type(value) is not Failed}
         if manifests:
@@ -203,7 +187,7 @@ class _Share:
         items = 0
         for index, key in todo:
             try:
-                entries.update(self.cache.encode_entries({key: self.dataset[index]}))
+                entries.update(self.cache.writer.encode_entries({key: self.dataset[index]}))
             except EncodeError as exc:
                 self.count(FAILED, 1)
                 self.complain(f"item {index!r} cannot be stored: {exc}")

@@ -1,0 +1,565 @@
+"""``Codec``: cached values to self-describing bytes bound to their store key, and back.
+
+Pickle 5 (or pickle-free, ``allow_pickle=False``), a 12-byte header with an xxh3-64 tag
+of key and payload (a keyed BLAKE3 MAC with ``secret=``), compression of large payloads,
+chunk manifests. The format, the checks decode makes and why: docs/formats.md. Without
+a secret and with ``allow_pickle=True`` (the default), decoding unpickles whatever the
+store holds: point such a cache only at stores that only trusted writers can reach.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from xxhash import xxh3_64, xxh3_64_intdigest
+
+from ...errors import (
+    ConfigError,
+    DecodeError,
+    EncodeError,
+    FormatMismatch,
+    MissingDependency,
+    SignatureError,
+    ValueTooLarge,
+)
+from .compression import (
+    BITS_KIND,
+    COMPRESSIONS,
+    KIND_BITS,
+    compress,
+    decompress,
+    resolve_compression,
+)
+from .format import (
+    COMP_MASK,
+    F_MAC,
+    F_MANIFEST,
+    F_NOCHECK,
+    F_OOB,
+    F_PLAIN,
+    FIXED,
+    FLAG_SEEDS,
+    FORGED,
+    HEADER_SIZE,
+    HOT,
+    MAC_SIZE,
+    MAGIC,
+    MISMATCH,
+    PREFIX0,
+    PREFIX_NOCHECK,
+    SEED0,
+    SEED_NOCHECK,
+    SIGNED_HEADER_SIZE,
+    VERSION,
+    XXH_TAG,
+    accepted_flags,
+    check_flags,
+)
+from .mac import ENV_SECRET, MAKE_SECRET, Secret, Signer, mac_prefix, secret_list
+from .manifest import (
+    MANIFEST,
+    MAX_MANIFEST_BLOB,
+    MIN_CHUNK_SIZE,
+    ChunkManifest,
+    decode_manifest,
+    join_chunks,
+    split_chunks,
+)
+from .pickling import ATOMIC, dumps_special, encode_error, oob_parts, split_oob, unpickle_error
+
+__all__ = [
+    "DEFAULT_CODEC",
+    "ENV_SECRET",
+    "HEADER_SIZE",
+    "MAGIC",
+    "MAX_MANIFEST_BLOB",
+    "MIN_CHUNK_SIZE",
+    "ChunkManifest",
+    "Codec",
+    "join_chunks",
+    "split_chunks",
+]
+
+_SLICE_MAX = 2048  # decode copies payloads up to this size instead of making a memoryview
+_MIN_VALUE_BYTES = 4096  # floor of max_value_bytes: the hot paths need no bound check
+
+
+_codec_plain: Any = None
+
+
+def _plain() -> Any:
+    """:mod:`asynccache.cache.codec.plain`, imported on first use (msgpack costs ~5 ms to import).
+
+    ImportError escapes: Codec(allow_pickle=False) turns it into MissingDependency, decode
+    into a DecodeError.
+    """
+    global _codec_plain
+    if _codec_plain is None:
+        from . import plain as codec_plain
+
+        _codec_plain = codec_plain
+    return _codec_plain
+
+
+def _rebuild_codec(kwargs: dict[str, Any]) -> Codec:
+    return Codec(**kwargs)
+
+
+def _rebuild_codec_from_env(
+    name: str, fingerprints: tuple[str, ...], kwargs: dict[str, Any]
+) -> Codec:
+    """Unpickle a ``Codec.from_env`` codec: read the secrets from this process's
+    environment, and refuse other ones than the pickling process had (every value would
+    be a miss otherwise, silently)."""
+    codec = Codec.from_env(name, **kwargs)
+    if codec._fingerprints() != fingerprints:
+        raise ConfigError(
+            f"${name} holds other secrets in this process (fingerprints "
+            f"{', '.join(codec._fingerprints())}) than in the process that pickled this Codec "
+            f"({', '.join(fingerprints)})"
+        )
+    return codec
+
+
+class Codec:
+    """Turns cached values into self-describing blobs bound to their store key, and back.
+
+    Compression is applied to the whole payload only when it is at least
+    ``compress_threshold`` bytes and only kept when it shrinks it; decode handles every
+    compression kind regardless of this codec's setting (values written by a peer with
+    another setting stay readable). ``max_value_bytes`` bounds what encode writes and what
+    decode accepts or decompresses (header + uncompressed payload), so hostile or damaged
+    bytes in the store cannot make a reader allocate more.
+
+    ``secret`` (bytes or str, or a sequence of them: the first signs, all verify) signs
+    every value with a keyed MAC and accepts only values it verifies; ``allow_pickle=False``
+    writes and reads pickle-free values only (see docs/formats.md). Both are for
+    stores that others can write to; :meth:`from_env` reads the secrets from the
+    environment, which is also how a signing codec crosses a pickle.
+    """
+
+    __slots__ = (
+        "_accepted",
+        "_env",
+        "_hot",
+        "_hot_limit",
+        "_hot_signed",
+        "_kind",
+        "_signer",
+        "_tag_size",
+        "allow_pickle",
+        "checksum",
+        "compress_level",
+        "compress_threshold",
+        "compression",
+        "max_value_bytes",
+        "protocol",
+    )
+
+    def __init__(
+        self,
+        *,
+        compression: str | None = None,
+        compress_threshold: int = 16 * 1024,
+        compress_level: int | None = None,
+        checksum: bool = True,
+        protocol: int = 5,
+        max_value_bytes: int = 256 * 1024 * 1024,
+        secret: Secret | Sequence[Secret] | None = None,
+        allow_pickle: bool = True,
+    ) -> None:
+        if compression not in COMPRESSIONS:
+            raise ConfigError(
+                f"compression must be one of None, 'zstd', 'lz4', 'auto'; got {compression!r}"
+            )
+        if type(compress_threshold) is not int or compress_threshold < 0:
+            raise ConfigError(f"compress_threshold must be an int >= 0, got {compress_threshold!r}")
+        if compress_level is not None and type(compress_level) is not int:
+            raise ConfigError(f"compress_level must be an int or None, got {compress_level!r}")
+        if type(protocol) is not int or not 0 <= protocol <= pickle.HIGHEST_PROTOCOL:
+            raise ConfigError(
+                f"protocol must be an int in 0..{pickle.HIGHEST_PROTOCOL}, got {protocol!r}"
+            )
+        if type(max_value_bytes) is not int or max_value_bytes < _MIN_VALUE_BYTES:
+            raise ConfigError(
+                f"max_value_bytes must be an int >= {_MIN_VALUE_BYTES}, got {max_value_bytes!r}"
+            )
+        if type(allow_pickle) is not bool:
+            raise ConfigError(f"allow_pickle must be True or False, got {allow_pickle!r}")
+        if secret is not None and not checksum:
+            raise ConfigError(
+                "checksum=False cannot be combined with a secret: a signature always covers "
+                "the whole value"
+            )
+        self.compression = compression
+        self.compress_threshold = compress_threshold
+        self.compress_level = compress_level
+        self.checksum = bool(checksum)
+        self.protocol = protocol
+        self.max_value_bytes = max_value_bytes
+        self.allow_pickle = allow_pickle
+        self._signer = None if secret is None else Signer(secret_list(secret))
+        self._env: str | None = None  # the variable from_env() read the secrets from
+        if not allow_pickle:
+            try:
+                _plain()
+            except ImportError as exc:
+                raise MissingDependency(
+                    "Codec(allow_pickle=False) needs the msgpack package: pip install msgpack"
+                ) from exc
+        # Length of the tag after the 4 fixed header bytes, fixed by the configuration:
+        # decode never reads it (nor the MAC algorithm) from the stored bytes.
+        self._tag_size = XXH_TAG.size if self._signer is None else MAC_SIZE
+        self._kind = resolve_compression(compression)
+        # Hot paths (unsigned pickled values): encode takes its one for payloads shorter
+        # than _hot_limit, decode for values starting with _hot (b"" never matches).
+        plain_unsigned = self._signer is None and allow_pickle
+        if not plain_unsigned:
+            self._hot_limit = -1
+        elif self._kind is None:
+            self._hot_limit = sys.maxsize
+        else:
+            self._hot_limit = compress_threshold
+        self._hot = PREFIX0 if plain_unsigned else b""
+        # ... and for small signed values (flags MAC, + PLAIN without pickle), with a secret.
+        signed = FIXED.pack(MAGIC, VERSION, F_MAC if allow_pickle else F_MAC | F_PLAIN)
+        self._hot_signed = b"" if self._signer is None else signed
+        self._accepted = accepted_flags(self.checksum, allow_pickle)
+        if self._kind is not None and compress_level is not None:
+            try:  # fail now, not on the first large value
+                compress(self._kind, b"x", compress_level)
+            except Exception as exc:
+                raise ConfigError(
+                    f"compress_level={compress_level!r} is not valid for {self._kind}: {exc}"
+                ) from exc
+
+    @classmethod
+    def from_env(cls, name: str = ENV_SECRET, **options: Any) -> Codec:
+        """A signing Codec whose secrets are in the environment variable ``name``.
+
+        The variable holds one secret, or several separated by commas (the first signs,
+        all verify; surrounding spaces are ignored, so a secret cannot contain a comma).
+        Unlike one built with ``secret=``, this codec can be pickled: the pickle names the
+        variable and the secrets' fingerprints, and the receiving process (a spawned
+        DataLoader worker) reads the variable itself. ``options`` are the other
+        :class:`Codec` arguments.
+        """
+        raw = os.environ.get(name)
+        if raw is None:
+            raise ConfigError(
+                f"environment variable {name} is not set: export {name}=\"$({MAKE_SECRET})\" "
+                "(several secrets: comma-separated, the signing one first)"
+            )
+        parts = [part.strip() for part in raw.split(",")]
+        if not all(parts):
+            raise ConfigError(f"${name} has an empty secret (two commas, or a trailing comma)")
+        codec = cls(secret=parts, **options)
+        codec._env = name
+        return codec
+
+    # -- identity -------------------------------------------------------------------------
+
+    def _config(self) -> dict[str, Any]:
+        return {
+            "compression": self.compression,
+            "compress_threshold": self.compress_threshold,
+            "compress_level": self.compress_level,
+            "checksum": self.checksum,
+            "protocol": self.protocol,
+            "max_value_bytes": self.max_value_bytes,
+            "allow_pickle": self.allow_pickle,
+        }
+
+    def _fingerprints(self) -> tuple[str, ...]:
+        return () if self._signer is None else self._signer.fingerprints
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Codec):
+            return NotImplemented
+        return (self._config(), self._fingerprints()) == (other._config(), other._fingerprints())
+
+    def __hash__(self) -> int:
+        return hash((*self._config().values(), self._fingerprints()))
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self._config().items())
+        if self._signer is not None:
+            where = f"${self._env}, " if self._env else ""
+            args += f", secret=<{where}fingerprints {', '.join(self._fingerprints())}>"
+        return f"Codec({args})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Re-run __init__ in the receiving process, so "auto" picks what is installed there.
+        if self._signer is None:
+            return _rebuild_codec, (self._config(),)
+        if self._env is None:
+            raise ConfigError(
+                "a Codec built with secret=... cannot be pickled (the secret would travel "
+                "in the pickle): build it with Codec.from_env() so that each process reads "
+                "the secret from its environment, or start DataLoader workers with "
+                "multiprocessing_context='fork'"
+            )
+        return _rebuild_codec_from_env, (self._env, self._fingerprints(), self._config())
+
+    def __copy__(self) -> Codec:
+        return self  # immutable: copies (of a dataset holding it) share it, secret included
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Codec:
+        return self
+
+    # -- encode ---------------------------------------------------------------------------
+
+    def _pickle(self, obj: object) -> tuple[bytes, list[pickle.PickleBuffer]]:
+        if type(obj) in ATOMIC or self.protocol < 5:
+            return pickle.dumps(obj, self.protocol), []
+        if "torch" in sys.modules:
+            return dumps_special(obj, self.protocol)
+        bufs: list[pickle.PickleBuffer] = []
+        stream = pickle.dumps(obj, self.protocol, buffer_callback=bufs.append)
+        if bufs and any(memoryview(b).readonly for b in bufs):  # rare: read-only arrays
+            return dumps_special(obj, self.protocol)
+        return stream, bufs
+
+    def _too_large(self, size: int) -> ValueTooLarge:
+        return ValueTooLarge(
+            f"value is {size} bytes encoded, over max_value_bytes={self.max_value_bytes}; "
+            "raise max_value_bytes in Codec(...)"
+        )
+
+    def _finish(
+        self, key: bytes, flags: int, parts: list[Any], size: int, compressible: bool = True
+    ) -> bytes:
+        """Bound, compress if worthwhile, tag or sign, and join everything once.
+
+        ``size`` is the payload length before compression: the bound applies to it, so a
+        reader never has to decompress more than ``max_value_bytes``.
+        """
+        encoded = FIXED.size + self._tag_size + size
+        if encoded > self.max_value_bytes:
+            raise self._too_large(encoded)
+        if compressible and self._kind is not None and size >= self.compress_threshold:
+            packed = compress(self._kind, b"".join(parts), self.compress_level)
+            if len(packed) < size:
+                parts = [packed]
+                flags |= KIND_BITS[self._kind]
+        if self._signer is not None:
+            fixed = FIXED.pack(MAGIC, VERSION, flags | F_MAC)
+            tag = self._signer.sign([mac_prefix(key, fixed), *parts])
+            return b"".join([fixed, tag, *parts])
+        if self.checksum:
+            hasher = xxh3_64(seed=xxh3_64_intdigest(key, FLAG_SEEDS[flags]))
+            for part in parts:  # one pass over the payload, no concatenation
+                hasher.update(part)
+            tag = hasher.intdigest()
+        else:
+            flags |= F_NOCHECK
+            tag = xxh3_64_intdigest(key, FLAG_SEEDS[flags])
+        return b"".join([FIXED.pack(MAGIC, VERSION, flags), XXH_TAG.pack(tag), *parts])
+
+    def encode(self, obj: object, key: bytes) -> bytes:
+        """Serialise ``obj`` for the store key ``key`` (only ``decode(blob, key)`` reads it).
+
+        EncodeError (chained) if it cannot be pickled, or with ``allow_pickle=False`` is of
+        a type the pickle-free format lacks (the message says how to convert it);
+        ValueTooLarge if it is encoded over ``max_value_bytes``.
+        """
+        if type(obj) is ChunkManifest:
+            raise EncodeError("ChunkManifest is reserved for chunked values: use encode_manifest")
+        if type(obj) is memoryview:  # bytes-like, but not picklable: stored (and read) as bytes
+            obj = obj.tobytes()
+        if not self.allow_pickle:
+            stream, raws = _plain().dumps(obj)
+            if not raws:
+                return self._finish(key, F_PLAIN, [stream], len(stream))
+            return self._finish(key, F_PLAIN | F_OOB, *oob_parts(stream, raws))
+        try:
+            stream, bufs = self._pickle(obj)
+            if not bufs:  # fast path: header + pickle stream
+                n = len(stream)
+                if n < self._hot_limit:  # unsigned, and not to be compressed
+                    if n + HEADER_SIZE > self.max_value_bytes:
+                        raise self._too_large(n + HEADER_SIZE)
+                    if self.checksum:
+                        tag = xxh3_64_intdigest(stream, xxh3_64_intdigest(key, SEED0))
+                        return HOT.pack(PREFIX0, tag) + stream
+                    return (
+                        HOT.pack(PREFIX_NOCHECK, xxh3_64_intdigest(key, SEED_NOCHECK)) + stream
+                    )
+                return self._finish(key, 0, [stream], n)
+            raws = [b.raw() for b in bufs]
+        except EncodeError:
+            raise
+        except Exception as exc:  # PicklingError, TypeError, AttributeError, BufferError, ...
+            raise encode_error(obj, exc) from exc
+        return self._finish(key, F_OOB, *oob_parts(stream, raws))
+
+    def encode_manifest(self, manifest: ChunkManifest, key: bytes) -> bytes:
+        """Serialise a chunk manifest for ``key`` (never pickled, never compressed; signed
+        by a codec with a secret like any value).
+
+        Refuses what decode would refuse: a value over ``max_value_bytes`` (ValueTooLarge)
+        or chunks under ``MIN_CHUNK_SIZE`` bytes (EncodeError).
+        """
+        if not isinstance(manifest, ChunkManifest):
+            raise EncodeError(f"expected a ChunkManifest, got {type(manifest).__qualname__}")
+        if manifest.size > self.max_value_bytes:
+            raise self._too_large(manifest.size)
+        if manifest.chunk_size < MIN_CHUNK_SIZE:
+            raise EncodeError(
+                f"chunk_size={manifest.chunk_size} is under MIN_CHUNK_SIZE={MIN_CHUNK_SIZE}: "
+                "readers refuse such a manifest"
+            )
+        token = manifest.token.encode("utf-8")
+        payload = MANIFEST.pack(
+            manifest.chunks, manifest.size, manifest.chunk_size, manifest.digest, len(token)
+        )
+        return self._finish(key, F_MANIFEST, [payload, token], len(payload) + len(token), False)
+
+    # -- decode ---------------------------------------------------------------------------
+
+    def decode(self, data: bytes | bytearray | memoryview, key: bytes) -> object:
+        """Inverse of encode/encode_manifest for the same ``key``.
+
+        DecodeError for anything else: foreign bytes, damage, a value of another key, input
+        over the bounds; FormatMismatch (a DecodeError) for another format version; with a
+        secret, SignatureError (a DecodeError) for every value none of its secrets signed.
+        """
+        if type(data) is bytes and len(data) <= _SLICE_MAX:
+            # Hot path: a small cached value with flags 0, read from the store as bytes,
+            # by a codec that unpickles unsigned values (self._hot is b"" otherwise).
+            # (max_value_bytes >= _MIN_VALUE_BYTES > _SLICE_MAX: no bound to check.)
+            try:
+                prefix, tag = HOT.unpack_from(data)
+            except struct.error:
+                prefix = None
+            if prefix == self._hot:
+                payload = data[HEADER_SIZE:]
+                if xxh3_64_intdigest(payload, xxh3_64_intdigest(key, SEED0)) != tag:
+                    raise DecodeError(MISMATCH)
+                try:
+                    return pickle.loads(payload)
+                except Exception as exc:
+                    raise unpickle_error(exc) from exc
+            if prefix == self._hot_signed:  # as _decode, without its general cases
+                payload = data[SIGNED_HEADER_SIZE:]
+                mac_input = mac_prefix(key, prefix) + payload  # small: one hash update
+                if not self._signer.verify([mac_input], data[FIXED.size : SIGNED_HEADER_SIZE]):
+                    raise SignatureError(FORGED)
+                if not self.allow_pickle:
+                    return _plain().loads(payload)
+                try:
+                    return pickle.loads(payload)
+                except Exception as exc:
+                    raise unpickle_error(exc) from exc
+        return self._decode(data, key)
+
+    def _unverified(self, message: str) -> DecodeError:
+        """The error for bytes rejected before their tag was checked: with a secret, a
+        SignatureError (whoever wrote them did not hold it)."""
+        return DecodeError(message) if self._signer is None else SignatureError(message)
+
+    def _decode(self, data: bytes | bytearray | memoryview, key: bytes) -> object:
+        """Every case but the hot path; checks run in the order docs/formats.md lists."""
+        try:
+            magic, version, flags = FIXED.unpack_from(data)
+        except struct.error as exc:
+            raise self._unverified(
+                f"not an asynccache value: {_describe(data)} is shorter than the header"
+            ) from exc
+        except (TypeError, ValueError, BufferError) as exc:
+            raise DecodeError(
+                f"not an asynccache value: cannot read a {type(data).__name__} as bytes"
+            ) from exc
+        if magic != MAGIC:
+            raise self._unverified(
+                f"not an asynccache value (starts with {FIXED.pack(magic, version, flags)!r}): "
+                "the key holds foreign data"
+            )
+        if version != VERSION:
+            raise FormatMismatch(
+                f"value is in asynccache format version {version}, this asynccache reads "
+                f"version {VERSION} (written by a different asynccache release)"
+            )
+        view: Any
+        if type(data) is bytes:
+            size = len(data)
+            view = data if size <= _SLICE_MAX else memoryview(data)  # never copy a large one
+        else:
+            view = _byte_view(data)
+            size = len(view)
+        if size > self.max_value_bytes:
+            raise DecodeError(f"value is {size} bytes, over max_value_bytes={self.max_value_bytes}")
+        start = FIXED.size + self._tag_size
+        payload = view[start:]
+        signer = self._signer
+        if signer is not None:  # verify first: nothing of a forgery is looked at
+            if not flags & F_MAC:
+                raise SignatureError(
+                    "value is not signed: written by a Codec without a secret, or forged"
+                )
+            prefix = mac_prefix(key, bytes(view[: FIXED.size]))
+            if size < start or not signer.verify([prefix, payload], view[FIXED.size : start]):
+                raise SignatureError(FORGED)
+            if flags not in self._accepted:
+                check_flags(flags, self.checksum, self.allow_pickle)
+        else:
+            if flags & F_MAC:
+                raise DecodeError(
+                    "value is signed: written by a Codec with a secret (Codec(secret=...) or "
+                    "Codec.from_env()); this Codec has none, so it cannot verify it"
+                )
+            if flags not in self._accepted:
+                check_flags(flags, self.checksum, self.allow_pickle)
+            key_seed = xxh3_64_intdigest(key, FLAG_SEEDS[flags])
+            tag = key_seed if flags & F_NOCHECK else xxh3_64_intdigest(payload, key_seed)
+            if view[FIXED.size : start] != XXH_TAG.pack(tag):
+                raise DecodeError(MISMATCH)
+        if flags & COMP_MASK:
+            kind = BITS_KIND[flags & COMP_MASK]
+            payload = memoryview(decompress(kind, payload, self.max_value_bytes - start))
+        if flags & F_MANIFEST:
+            return decode_manifest(payload, self.max_value_bytes)
+        if flags & F_PLAIN:
+            try:
+                plain = _plain()
+            except ImportError as exc:
+                raise DecodeError(
+                    "value is pickle-free but msgpack is not installed: pip install msgpack"
+                ) from exc
+            if flags & F_OOB:
+                return plain.loads(*split_oob(payload))
+            return plain.loads(payload)
+        try:
+            if flags & F_OOB:
+                stream, buffers = split_oob(payload)
+                return pickle.loads(stream, buffers=buffers)
+            return pickle.loads(payload)
+        except DecodeError:
+            raise
+        except Exception as exc:  # UnpicklingError, EOFError, ImportError, ...
+            raise unpickle_error(exc) from exc
+
+
+def _byte_view(data: bytearray | memoryview) -> memoryview:
+    mv = memoryview(data)
+    if mv.ndim != 1 or mv.itemsize != 1:
+        try:
+            mv = mv.cast("B")
+        except TypeError as exc:
+            raise DecodeError(f"cannot read a {mv.format!r} memoryview as bytes") from exc
+    return mv
+
+
+def _describe(data: object) -> str:
+    try:
+        return f"{len(memoryview(data))}-byte input"  # type: ignore[arg-type]
+    except TypeError:
+        return f"a {type(data).__name__}"
+
+
+DEFAULT_CODEC = Codec()

@@ -1,0 +1,179 @@
+"""Pickle protocol 5 with out-of-band buffers: plain CPU torch tensors and numpy arrays
+travel as raw bytes after the stream, and come back as writable arrays sharing one copy."""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from ...errors import DecodeError, EncodeError
+
+OOB_HEAD = struct.Struct("<QI")
+ALIGN = 16  # enough for every numpy / torch dtype; the allocator gives >= 16
+ZEROS = bytes(ALIGN)
+# Exact types that never produce out-of-band buffers nor need the tensor reducer.
+ATOMIC = frozenset({type(None), bool, int, float, complex, str, bytes, bytearray})
+
+
+def rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...]) -> Any:
+    """Unpickle side of :func:`reduce_tensor`: a tensor sharing (not copying) ``buf``."""
+    import torch
+
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise DecodeError(f"unknown torch dtype {dtype!r}")
+    mv = memoryview(buf)
+    if mv.nbytes == 0:
+        return torch.empty(shape, dtype=torch_dtype)
+    if mv.readonly:  # only when pickled in-band by someone else: copy, never warn
+        buf = bytearray(buf)
+    return torch.frombuffer(buf, dtype=torch_dtype).reshape(shape)
+
+
+def reduce_tensor(t: Any, torch: Any) -> Any:
+    """Reduce a plain CPU tensor to (dtype, shape, PickleBuffer of its bytes).
+
+    Returns NotImplemented (torch's own pickling) for anything whose meaning is more than
+    its values: autograd state, subclasses, sparse/quantized/nested/non-CPU tensors.
+    """
+    if (
+        t.requires_grad
+        or t.layout is not torch.strided
+        or t.device.type != "cpu"
+        or t.is_quantized
+        or t.is_nested
+    ):
+        return NotImplemented
+    flat = t.resolve_conj().resolve_neg().contiguous().reshape(-1)
+    try:
+        raw = flat.view(torch.uint8).numpy()
+    except (RuntimeError, TypeError):  # numpy missing or an exotic dtype
+        return NotImplemented
+    dtype = str(t.dtype).removeprefix("torch.")
+    return rebuild_tensor, (pickle.PickleBuffer(raw), dtype, tuple(t.shape))
+
+
+class Pickler(pickle.Pickler):
+    """C pickler with two reductions plain ``pickle.dumps`` cannot do.
+
+    * plain CPU torch tensors go out-of-band (see :func:`reduce_tensor`);
+    * read-only numpy arrays are pickled from a writable copy: pickle marks a read-only
+      buffer READONLY_BUFFER and decode would then return a read-only array, which
+      torch (``as_tensor``/``from_numpy``, hence ``default_collate``) warns about.
+    """
+
+    def __init__(self, protocol: int) -> None:
+        self.file = io.BytesIO()
+        self.buffers: list[pickle.PickleBuffer] = []
+        super().__init__(self.file, protocol, buffer_callback=self.buffers.append)
+        self.protocol = protocol
+        self.torch: Any = None
+        self.tensor_type: Any = None
+        self.ndarray_type: Any = None
+
+    def reducer_override(self, obj: Any) -> Any:
+        cls = type(obj)
+        if cls is self.tensor_type:
+            return reduce_tensor(obj, self.torch)
+        if cls is self.ndarray_type and not obj.flags.writeable:
+            return obj.copy(order="K").__reduce_ex__(self.protocol)
+        return NotImplemented
+
+
+_local = threading.local()
+
+
+def dumps_special(obj: object, protocol: int) -> tuple[bytes, list[Any]]:
+    """pickle.dumps through :class:`Pickler`, reusing one pickler per thread.
+
+    Building a pickler + BytesIO costs ~1 µs, more than pickling a small value. The
+    pickler is taken out of the thread-local while in use, so a re-entrant call (a
+    ``__reduce__`` that encodes) gets its own, and one that failed mid-dump is dropped.
+    """
+    p: Pickler | None = _local.__dict__.pop("pickler", None)
+    if p is None or p.protocol != protocol:
+        p = Pickler(protocol)
+    torch = sys.modules.get("torch")
+    if p.torch is not torch or p.ndarray_type is None:  # a module was imported since
+        p.torch = torch
+        p.tensor_type = getattr(torch, "Tensor", None)
+        p.ndarray_type = getattr(sys.modules.get("numpy"), "ndarray", None)
+    p.clear_memo()  # cheap insurance: a stream must never refer to a previous dump's memo
+    p.dump(obj)
+    f = p.file
+    stream = f.getvalue()
+    f.seek(0)
+    f.truncate()
+    bufs: list[Any] = []
+    if p.buffers:
+        bufs = p.buffers.copy()
+        p.buffers.clear()
+    p.clear_memo()
+    _local.pickler = p
+    return stream, bufs
+
+
+def oob_parts(stream: bytes, raws: Sequence[Any]) -> tuple[list[Any], int]:
+    """(parts, total length) of an out-of-band payload: table, stream, aligned buffers."""
+    lengths = [memoryview(r).nbytes for r in raws]
+    table = OOB_HEAD.pack(len(stream), len(raws)) + struct.pack(f"<{len(raws)}Q", *lengths)
+    parts: list[Any] = [table, stream]
+    pos = 0
+    for raw, n in zip(raws, lengths, strict=True):
+        pad = -pos % ALIGN
+        if pad:
+            parts.append(ZEROS[:pad])
+            pos += pad
+        parts.append(raw)
+        pos += n
+    return parts, len(table) + len(stream) + pos
+
+
+def split_oob(payload: bytes | memoryview) -> tuple[bytes | memoryview, list[memoryview]]:
+    """(stream, buffers) of an out-of-band payload; the buffer region is copied exactly once.
+
+    Every count and length is checked against the payload size before it is used, so a
+    forged table cannot make ``struct`` or the span list allocate more than the input.
+    The buffers are slices of one fresh ``bytearray``: writable, owning no other copy.
+    """
+    total = len(payload)
+    if total < OOB_HEAD.size:
+        raise DecodeError("truncated buffer table")
+    stream_len, nbuf = OOB_HEAD.unpack_from(payload)
+    table_end = OOB_HEAD.size + 8 * nbuf
+    if table_end > total:
+        raise DecodeError(
+            f"buffer table claims {nbuf} buffers, more than a {total}-byte payload can hold"
+        )
+    region_start = table_end + stream_len
+    if region_start > total:
+        raise DecodeError("truncated out-of-band value")
+    lengths = struct.unpack_from(f"<{nbuf}Q", payload, OOB_HEAD.size)
+    spans = []
+    pos = 0
+    for n in lengths:
+        pos += -pos % ALIGN
+        spans.append((pos, pos + n))
+        pos += n
+    if pos != total - region_start:
+        raise DecodeError("out-of-band buffer sizes do not match the value length")
+    region = memoryview(bytearray(memoryview(payload)[region_start:]))  # the one copy
+    return payload[table_end:region_start], [region[a:b] for a, b in spans]
+
+
+def encode_error(obj: object, exc: BaseException) -> EncodeError:
+    name = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    return EncodeError(
+        f"cannot encode a value of type {name}: {exc}. Make it picklable "
+        "(no lambdas, locks, open files or sockets; define __reduce__/__getstate__) "
+        "or pass a custom codec (codec=...)."
+    )
+
+
+def unpickle_error(exc: Exception) -> DecodeError:
+    return DecodeError(f"cannot unpickle value: {type(exc).__name__}: {exc}")

@@ -1,0 +1,312 @@
+"""``AsyncKVCache``: the async core every integration stands on, in one event loop.
+
+It holds a cache's settings and parts, and delegates: store keys to its
+:class:`~asynccache.cache.keys.Keyspace`, reads to :class:`~asynccache.cache.reads.ReadPath`,
+writes to :class:`~asynccache.cache.writes.Writer` (and its one queue), leases to
+:class:`~asynccache.cache.leases.Leases`, concurrent callers to
+:mod:`~asynccache.cache.coalesce`, every store failure to the one
+:class:`~asynccache.cache.health.FailurePolicy`. Its parts may be used from any thread
+where they say so (decoding, encoding, counters); the async methods run in one loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from ..errors import ClosedError, ConfigError, StoreError
+from ..observe.histogram import Histograms, Latency
+from ..observe.stats import Counters
+from ..store.api import BaseClient, NodeName
+from .coalesce import Coalescer, Shared
+from .codec import DEFAULT_CODEC, Codec
+from .expiry import check_ttl
+from .health import FailurePolicy, OnError
+from .keys import DEFAULT_MAX_KEY_SIZE, Keyspace
+from .l1 import L1Cache
+from .leases import Leases
+from .markers import MISSING, Failed
+from .reads import ReadPath
+from .writes import WriteQueue, Writer
+
+__all__ = ["AsyncKVCache", "Key", "OnError", "check_settings"]
+
+Key = Any  # int-like, str, bytes or tuples of them: see asynccache.cache.keys
+
+
+def check_settings(client: Any, on_error: Any, lease: Any, l1_bytes: Any) -> None:
+    """Raise ConfigError for settings a cache, a pipe or a node cannot use (said in the
+    caller, at construction, not later in a DataLoader worker)."""
+    if not isinstance(client, BaseClient):
+        raise ConfigError(
+            f"client must come from asynccache.connect(url), got {type(client).__name__}"
+        )
+    if on_error not in ("fallback", "raise"):
+        raise ConfigError(f"on_error must be 'fallback' or 'raise', got {on_error!r}")
+    if l1_bytes is not None and (type(l1_bytes) is not int or l1_bytes <= 0):
+        raise ConfigError(f"l1_bytes must be a positive int (bytes of encoded values "
+                          f"kept in this process) or None, got {l1_bytes!r}")
+    if lease is not None:
+        check_ttl(lease, "lease (the longest one batch of misses may take to compute, in "
+                         "seconds)")
+
+
+class AsyncKVCache:
+    """Object cache over a byte store client, for use inside one event loop.
+
+    ``ttl`` is in seconds (``None``: no expiry). ``max_key_size`` bounds the store key
+    (namespace + key) in bytes. ``max_in_flight`` bounds concurrent store reads.
+    ``max_pending_writes`` bounds the write-behind queue: when the store cannot keep
+    up, the oldest pending writes are dropped (and counted) instead of growing memory.
+
+    ``lease`` (seconds, off by default): on a miss, the first process to miss a key
+    takes a short lease on it in the store (Redis ``SET NX PX``, memcached ``add``, for a
+    whole batch in one round trip), computes and writes it; the others wait for its
+    value (polling, at most ``lease`` seconds) instead of computing it again. A holder
+    that dies lets its lease expire and the next waiter takes it. Hits cost nothing
+    extra; store trouble during any of it means "compute here". A lease must outlast
+    what it covers: one compute here, and in a pipe a whole batch's misses (computed
+    one after another, then written together).
+    """
+
+    def __init__(
+        self,
+        client: BaseClient[Any],
+        namespace: str | Keyspace | None = None,
+        ttl: Any = None,
+        codec: Codec | None = None,
+        on_error: OnError = "fallback",
+        *,
+        chunking: bool = True,
+        max_key_size: int = DEFAULT_MAX_KEY_SIZE,
+        max_in_flight: int = 4,
+        max_pending_writes: int = 10_000,
+        lease: Any = None,
+        l1_bytes: int | None = None,
+    ) -> None:
+        check_settings(client, on_error, lease, l1_bytes)
+        self.client = client
+        #: the namespace and its key rule (a pipe or node passes its own, so that the
+        #: cache of each of its copies builds the same keys)
+        self.keyspace = (namespace if isinstance(namespace, Keyspace)
+                         else Keyspace(namespace, max_key_size))
+        self.namespace = self.keyspace.namespace
+        self.prefix = self.keyspace.prefix
+        self.max_key_size = self.keyspace.max_key_size
+        self.ttl = self.keyspace.ttl(check_ttl(ttl))
+        self.codec = codec if codec is not None else DEFAULT_CODEC
+        self.on_error: OnError = on_error
+        self.chunking = chunking
+        self.lease = check_ttl(lease, "lease")
+        self.max_pending_writes = max_pending_writes
+        self._max_in_flight = max_in_flight
+        self.counters = Counters()
+        #: durations of store requests (one record per request, never per item)
+        self.histograms = Histograms()
+        self.policy = FailurePolicy(on_error, self.counters, client.safe_url)
+        #: the in-process tier in front of the store (``l1_bytes``), fed by every decode
+        self.l1 = L1Cache(l1_bytes) if l1_bytes else None
+        #: values written behind and not yet acknowledged (read-your-writes asks it)
+        self.writes = WriteQueue(max_pending_writes)
+        self.reads = ReadPath(self)
+        self.writer = Writer(self)
+        self.leases = Leases(self)
+        self._loop_state: _PerLoop | None = None
+        self._closed = False
+
+    # -- the loop, and the end ------------------------------------------------------------
+    def _loop(self) -> _PerLoop:
+        """What this cache holds in the running loop (made anew in another loop)."""
+        if self._closed:
+            self._refuse()
+        loop = asyncio.get_running_loop()
+        here = self._loop_state
+        if here is None or here.loop is not loop:
+            here = self._loop_state = _PerLoop(self, loop)
+        return here
+
+    def _refuse(self) -> None:
+        raise ClosedError(f"{self!r} was used after aclose(): build a new AsyncKVCache (its "
+                          "stats() still gives this one's final counters)")
+
+    async def __aenter__(self) -> AsyncKVCache:
+        if self._closed:
+            self._refuse()
+        self.client.retain()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Flush pending writes and release the client; its connections in this loop
+        close when no other cache or pipe still uses them. The cache is then closed: using
+        it raises :class:`~asynccache.errors.ClosedError` (``stats()`` still answers);
+        closing twice does nothing."""
+        if self._closed:
+            return
+        await self.flush()
+        self._closed = True
+        await self.client.release()
+
+    # -- keys -----------------------------------------------------------------------------
+    def key(self, key: Key) -> bytes:
+        """The store key for ``key`` (see :mod:`asynccache.cache.keys` for the scheme)."""
+        return self.keyspace.key(key)
+
+    def _ttl(self, ttl: Any) -> float | None:
+        """A call's ``ttl`` (``MISSING``: the cache's), checked by the one TTL rule."""
+        return self.ttl if ttl is MISSING else self.keyspace.ttl(check_ttl(ttl))
+
+    # -- reads ------------------------------------------------------------------------------
+    async def _read(self, store_keys: Sequence[bytes]) -> list[Any]:
+        """What callers get for ``store_keys``: values, ``MISSING``, :class:`Failed`."""
+        return self.reads.outcomes(*await self.reads.values(store_keys))
+
+    async def get_many(self, keys: Iterable[Key]) -> dict[Key, Any]:
+        """``{key: value}`` for the keys found; misses are simply absent."""
+        keys = list(dict.fromkeys(keys))
+        if not keys:
+            return {}
+        values = await self._read([self.key(k) for k in keys])
+        for value in values:
+            if type(value) is Failed:
+                raise value.error
+        return {k: v for k, v in zip(keys, values) if v is not MISSING}
+
+    async def get(self, key: Key, default: Any = None) -> Any:
+        """One value, or ``default``. Concurrent calls in one loop tick share one request."""
+        store_key = self.key(key)
+        value = await self._loop().gets.get(store_key)
+        return default if value is MISSING else value
+
+    # -- writes -----------------------------------------------------------------------------
+    async def set_many(self, mapping: Mapping[Key, Any], ttl: Any = MISSING) -> None:
+        """Store every pair now (``ttl``: seconds or a timedelta, ``None`` for none,
+        default the cache's)."""
+        ttl = self._ttl(ttl)
+        entries = self.writer.encode_entries({self.key(k): v for k, v in mapping.items()})
+        await self.write_entries(entries, ttl)
+
+    async def set(self, key: Key, value: Any, ttl: Any = MISSING) -> None:
+        await self.set_many({key: value}, ttl)
+
+    async def write_entries(self, entries: Mapping[bytes, bytes], ttl: Any = MISSING) -> bool:
+        """Write encoded entries now (see :meth:`Writer.write_entries
+        <asynccache.cache.writes.Writer.write_entries>`)."""
+        if self._closed:
+            self._refuse()
+        return await self.writer.write_entries(entries, self._ttl(ttl))
+
+    async def flush(self) -> None:
+        """Wait for queued write-behind entries to reach the store (or be dropped)."""
+        if not self._closed:  # aclose() flushed them
+            await self.writer.flush()
+
+    async def delete_many(self, keys: Iterable[Key]) -> None:
+        if self._closed:
+            self._refuse()
+        store_keys = [self.key(k) for k in keys]
+        try:
+            await self.client.delete_many(store_keys)
+        except StoreError as exc:
+            self.policy.failed(NodeName(self.client.safe_url), "delete", exc)
+            if self.policy.strict:
+                raise
+
+    async def delete(self, key: Key) -> None:
+        await self.delete_many([key])
+
+    # -- computing --------------------------------------------------------------------------
+    async def get_or_compute(self, key: Key, compute: Callable[[], Any],
+                             ttl: Any = MISSING) -> Any:
+        """The cached value, or ``compute()`` (sync or async) stored and returned.
+
+        Concurrent calls for the same key in this loop compute once; with ``lease``, so
+        do calls in other processes. Every caller gets an object of its own.
+        """
+        ttl = self._ttl(ttl)
+        value = await self.get(key, MISSING)
+        if value is not MISSING:
+            return value
+        here = self._loop()
+        store_key = self.key(key)
+        shared = here.computing.get(store_key)
+        if shared is None:
+            task: asyncio.Task[Any] = here.loop.create_task(
+                self._compute_and_store(key, store_key, compute, ttl))
+            shared = here.computing[store_key] = Shared(task)
+            task.add_done_callback(lambda _t: here.computing.pop(store_key, None))
+        return await shared.result(store_key, self.reads.copy_of)
+
+    async def _compute_and_store(self, key: Key, store_key: bytes,
+                                 compute: Callable[[], Any], ttl: Any) -> Any:
+        if self.lease is not None:
+            found, _mine, theirs = await self.leases.claim([store_key])
+            if not found and theirs:
+                found, _now_mine = await self.leases.wait_for_values(theirs)
+            if store_key in found:
+                return found[store_key]
+        result = compute()
+        if inspect.isawaitable(result):
+            result = await result
+        await self.set(key, result, ttl)
+        if self.lease is not None:
+            await self.leases.release([store_key])
+        return result
+
+    def cached(self, fn: Callable[..., Any] | None = None, *, ttl: Any = MISSING,
+               key: Callable[..., Any] | None = None) -> Any:
+        """Decorator: cache what an async function returns, ``@cache.cached(ttl=60)``
+        (or bare ``@cache.cached``). The key is the function's qualified name and its
+        arguments (defaults applied) under the documented key encoding, or
+        ``key(*args, **kwargs)``; concurrent calls with the same arguments compute once
+        and each caller gets an object of its own. A plain function works too (the
+        wrapper is async). See :mod:`asynccache.cache.decorator`."""
+        from .decorator import cached
+
+        if fn is None:
+            return lambda f: cached(self, f, ttl, key)
+        return cached(self, fn, ttl, key)
+
+    # -- stats ------------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        """Counters: hits, misses, errors, timeouts, batches, bytes_read, sets, ..."""
+        return self.counters.snapshot()
+
+    def latency(self) -> dict[str, Latency]:
+        """Durations of store requests, ``{"read": Latency, "write": Latency}``: one
+        record per multi-get or write request (its wait for a free in-flight slot not
+        included), in the fixed buckets of :mod:`asynccache.observe.histogram`. Requests
+        that failed count too (a timeout took its time); requests never sent (every node
+        backing off) do not."""
+        return self.histograms.snapshot()
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add to a counter (integrations keep their own counters here too)."""
+        self.counters.add(name, n)
+
+    def __repr__(self) -> str:
+        return f"AsyncKVCache({self.client!r}, namespace={self.namespace!r}, ttl={self.ttl!r})"
+
+
+class _PerLoop:
+    """What a cache holds in one event loop: the bound on reads in flight, the ``get()``
+    calls being gathered, computations being shared, its tasks and its writer."""
+
+    def __init__(self, cache: AsyncKVCache, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.in_flight = asyncio.Semaphore(cache._max_in_flight)
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.writer: asyncio.Task[None] | None = None
+        self.computing: dict[bytes, Shared] = {}
+        self.gets = Coalescer(loop, cache._read, cache.reads.copy_of, cache.counters,
+                              self.spawn)
+
+    def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
+        task: asyncio.Task[Any] = self.loop.create_task(coro)  # type: ignore[arg-type]
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task

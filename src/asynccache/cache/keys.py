@@ -1,0 +1,187 @@
+"""User keys and dataset indices → store keys: one documented, injective encoding.
+
+Store key = ``b"ac:" + namespace + b":" + encode_key(key)``: an int (anything
+``operator.index()`` accepts) in decimal, ``s:`` + UTF-8 for str, ``b:`` + bytes, ``n:``
+for None, ``t:`` + length-prefixed elements for a tuple; anything else is a
+``KeyEncodingError``. A chunk (``c:``) and a lease (``l:``) sit under the same prefix with
+tags no encoded key starts with. Without ``namespace=`` an object gets an ``anon-`` one
+of its own. The full rule and why it is injective: docs/design.md, "Keys".
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import secrets
+import threading
+from typing import Any
+
+from ..errors import ConfigError, KeyEncodingError, KeyTooLong
+
+__all__ = [
+    "ANON_PREFIX",
+    "ANON_TTL",
+    "MAX_NAMESPACE_BYTES",
+    "Keyspace",
+    "check_namespace",
+    "chunk_keys",
+    "encode_key",
+    "lease_key",
+    "namespace_prefix",
+]
+
+MAX_NAMESPACE_BYTES = 200
+#: What a namespace made for an object built without ``namespace=`` starts with.
+ANON_PREFIX = "anon-"
+#: Seconds the values of such a namespace live when no ``ttl=`` is given: nobody can
+#: reuse them after the run, so they must not stay in a shared store forever.
+ANON_TTL = 24 * 3600.0
+#: The largest store key (namespace prefix + encoded key) by default, in bytes.
+DEFAULT_MAX_KEY_SIZE = 1024
+
+logger = logging.getLogger("asynccache")
+_announced = threading.Event()
+
+
+def encode_key(key: Any) -> bytes:
+    """``key`` → bytes by the rule above (in full: docs/design.md, "Keys")."""
+    if type(key) is int:  # the hot case first
+        return b"%d" % key
+    if isinstance(key, str):
+        return b"s:" + key.encode("utf-8", "surrogatepass")
+    if isinstance(key, bytes | bytearray | memoryview):
+        return b"b:" + bytes(key)
+    if key is None:
+        return b"n:"
+    if isinstance(key, tuple):
+        parts = [b"t:"]
+        for element in key:
+            encoded = encode_key(element)
+            parts.append(b"%d:" % len(encoded))
+            parts.append(encoded)
+        return b"".join(parts)
+    try:
+        return b"%d" % operator.index(key)
+    except TypeError:
+        pass
+    raise KeyEncodingError(
+        f"cannot use a {type(key).__name__} ({key!r:.60}) as a cache key: keys are ints "
+        "(numpy / torch integers too), str, bytes, or tuples of them; convert it to one of "
+        "those (for a float or an object, a stable id of your own)"
+    )
+
+
+def check_namespace(namespace: str) -> str:
+    """A valid namespace: a non-empty str of at most MAX_NAMESPACE_BYTES UTF-8 bytes."""
+    if not isinstance(namespace, str) or not namespace:
+        raise ConfigError(f"namespace must be a non-empty str, got {namespace!r}")
+    if ":" in namespace:
+        # ':' separates the parts of a store key: namespace "a:s" with key 1 and namespace
+        # "a" with key "1" would both be b"ac:a:s:1"
+        raise ConfigError(f"namespace {namespace!r} contains ':', which separates the parts "
+                          "of store keys; use '-', '.' or '/' instead (e.g. 'imagenet-v3')")
+    size = len(namespace.encode())
+    if size > MAX_NAMESPACE_BYTES:
+        raise KeyTooLong(
+            f"namespace {namespace[:40]!r}... is {size} bytes; keep it under "
+            f"{MAX_NAMESPACE_BYTES} (use a short name plus a version, e.g. 'imagenet-v3')"
+        )
+    return namespace
+
+
+def namespace_prefix(namespace: str) -> bytes:
+    """``b"ac:" + namespace + b":"``: what every store key of the namespace starts with."""
+    return b"ac:" + namespace.encode() + b":"
+
+
+def _split(store_key: bytes) -> tuple[bytes, bytes]:
+    """(namespace prefix, encoded key) of a value's store key."""
+    head, sep, rest = store_key.partition(b":")
+    namespace, sep2, encoded = rest.partition(b":")
+    if not (head == b"ac" and sep and sep2):
+        raise ValueError(f"not an asynccache value key: {store_key!r}")
+    return b"ac:" + namespace + b":", encoded
+
+
+def chunk_keys(store_key: bytes, token: str, chunks: int) -> list[bytes]:
+    """The keys of a chunked value's chunks (see docs/design.md, "Keys")."""
+    prefix, encoded = _split(store_key)
+    stem = prefix + b"c:" + token.encode() + b":"
+    return [b"%b%d:%b" % (stem, i, encoded) for i in range(chunks)]
+
+
+def lease_key(store_key: bytes) -> bytes:
+    """The key of the lease on a value's store key (see docs/design.md, "Keys")."""
+    prefix, encoded = _split(store_key)
+    return prefix + b"l:" + encoded
+
+
+def unique_namespace() -> str:
+    """A namespace no other object will ever use (see docs/design.md, "Keys")."""
+    return ANON_PREFIX + secrets.token_hex(8)
+
+
+def _announce(kind: str, namespace: str) -> None:
+    """Say once per process that an object was built without a namespace, and what
+    that means: its values serve it and its copies only, and expire."""
+    if _announced.is_set():
+        return
+    _announced.set()
+    logger.warning(
+        "asynccache: %s built without namespace=: its values are cached under %r, for it "
+        "and its copies (DataLoader workers) only, and expire after %g h; no other run or "
+        "job will reuse them. Pass namespace='<dataset>-v1' (versioned: bump it when the "
+        "data or its transform changes) to share them across runs and jobs.",
+        kind, namespace, ANON_TTL / 3600)
+
+
+class Keyspace:
+    """One namespace and the one rule that builds its store keys.
+
+    The core, the pipe and the node all build keys here (``key(k)``), so they agree by
+    construction. ``named``: the user gave the namespace (values may be reused by any
+    run that gives it); otherwise it is unique to the object that made it, and
+    :meth:`ttl` bounds how long its values live. Pickles with its owner: copies share it.
+    """
+
+    __slots__ = ("max_key_size", "named", "namespace", "prefix")
+
+    def __init__(self, namespace: str | None, max_key_size: int = DEFAULT_MAX_KEY_SIZE,
+                 *, owner: str = "cache") -> None:
+        if type(max_key_size) is not int or max_key_size <= 0:
+            raise ConfigError(f"max_key_size must be a positive int, got {max_key_size!r}")
+        self.named = namespace is not None
+        if namespace is None:
+            namespace = unique_namespace()
+            _announce(owner, namespace)
+        self.namespace = check_namespace(namespace)
+        self.prefix = namespace_prefix(self.namespace)
+        self.max_key_size = max_key_size
+
+    def key(self, key: Any) -> bytes:
+        """The store key of ``key``: ``prefix + encode_key(key)``, bounded in length."""
+        if type(key) is int:  # the hot case (not "%d" for all: it would truncate floats)
+            return b"%b%d" % (self.prefix, key)
+        store_key = self.prefix + encode_key(key)
+        if len(store_key) > self.max_key_size:
+            raise KeyTooLong(
+                f"store key for {key!r:.60} is {len(store_key)} bytes, over max_key_size="
+                f"{self.max_key_size}; use shorter keys (hash long ones yourself, or give "
+                "a key_fn) or raise max_key_size")
+        return store_key
+
+    def ttl(self, ttl: float | None) -> float | None:
+        """The expiry values get: ``ttl`` as given, or ANON_TTL for an unnamed namespace."""
+        if ttl is None and not self.named:
+            return ANON_TTL
+        return ttl
+
+    def __getstate__(self) -> tuple[str, bool, int]:
+        return self.namespace, self.named, self.max_key_size
+
+    def __setstate__(self, state: tuple[str, bool, int]) -> None:
+        self.namespace, self.named, self.max_key_size = state
+        self.prefix = namespace_prefix(self.namespace)
+
+    def __repr__(self) -> str:
+        return f"Keyspace({self.namespace!r}, named={self.named})"

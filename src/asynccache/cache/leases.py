@@ -1,0 +1,162 @@
+"""Leases (``lease=``): the first process to miss a key computes it; the others wait for
+its value. A lease is a short-lived key next to the value's (``SET NX PX``, memcached
+``add``, a whole batch in one round trip) holding who took it; its holder writes the
+value, then drops it. Store trouble, or a store without leases, means "compute here":
+a lease only saves work, it is never worth a wrong or missing value."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from .. import _fork
+from ..errors import StoreError
+from ..store.api import NodeName
+from .keys import lease_key
+from .markers import is_value
+
+if TYPE_CHECKING:
+    from .core import AsyncKVCache
+
+__all__ = ["LEASE_POLL", "Leases"]
+
+#: How often a process waiting on another's lease looks for the value: from the first
+#: to the last delay, growing by half each time (a value usually lands within a compute).
+LEASE_POLL = (0.005, 0.1)
+
+logger = logging.getLogger("asynccache")
+
+
+class Leases:
+    """The leases of one :class:`~asynccache.cache.core.AsyncKVCache` (``cache.lease``
+    seconds each)."""
+
+    def __init__(self, cache: AsyncKVCache) -> None:
+        self.cache = cache
+        self._token: tuple[int, bytes] | None = None
+
+    @property
+    def token(self) -> bytes:
+        """What this process writes into the leases it holds (pid + random: who holds it)."""
+        made = self._token
+        if made is None or made[0] != _fork.generation:  # a forked child: a token of its own
+            token = b"%d:%s" % (os.getpid(), secrets.token_hex(8).encode())
+            made = self._token = (_fork.generation, token)
+        return made[1]
+
+    async def claim(self, store_keys: Sequence[bytes]
+                    ) -> tuple[dict[bytes, Any], list[bytes], list[bytes]]:
+        """Take the lease on each missing key (one round trip), then look once more for
+        the values of the keys taken (one more): ``(found, mine, theirs)``.
+
+        A holder writes its value before it drops its lease, so a lease found free may
+        be that of a value written since this process missed the key -- computing it
+        would be the work the lease exists to save (a waiter that read just before the
+        holder's write took the freed lease and computed a whole batch again). ``found``:
+        those values (their fresh leases dropped); ``mine``: keys this process computes;
+        ``theirs``: keys another process holds. Store trouble, or a store without
+        leases: every key is ``mine`` (the lease only saves work; it is never worth a
+        wrong or missing value)."""
+        cache = self.cache
+        taken = await self._add(store_keys)
+        if taken is None:
+            return {}, list(store_keys), []
+        got = [k for k, ok in zip(store_keys, taken) if ok]
+        theirs = [k for k, ok in zip(store_keys, taken) if not ok]
+        if not got:
+            return {}, [], theirs
+        values, _error = await cache.reads.values(got, second_look=True)  # trouble: what was read
+        found = {k: v for k, v in zip(got, values) if is_value(v)}
+        counters = cache.counters.shard()
+        if not found:
+            counters["leases"] += len(got)
+            return {}, got, theirs
+        await self.release(list(found))
+        mine = [k for k in got if k not in found]
+        counters["leases"] += len(mine)
+        counters["lease_hits"] += len(found)
+        return found, mine, theirs
+
+    async def _add(self, store_keys: Sequence[bytes]) -> list[bool] | None:
+        """``add_many`` of our token on each key's lease: True where it was free. None
+        when leases cannot be taken now (store trouble, a node backing off, or a store
+        without them): a miss then costs what it costs without ``lease=``, never a round
+        trip to a node known to be down."""
+        cache = self.cache
+        if cache.lease is None or not store_keys or cache.policy.down():
+            return None
+        token = self.token
+        try:
+            taken = await cache.client.add_many({lease_key(k): token for k in store_keys},
+                                                cache.lease)
+        except NotImplementedError as exc:
+            if cache.policy.log.first("lease", exc):
+                logger.warning("asynccache: %s cannot take leases (%s): lease= is ignored, "
+                               "every process computes its own misses", cache.client.safe_url,
+                               exc)
+            return None
+        except StoreError as exc:
+            cache.policy.failed(NodeName(cache.client.safe_url), "lease", exc)
+            return None
+        return taken
+
+    async def release(self, store_keys: Sequence[bytes]) -> None:
+        """Drop our leases once the values are written (waiters see the value first; a
+        write that failed lets a waiter take the lease at once instead of at expiry)."""
+        cache = self.cache
+        if cache.lease is None or not store_keys or cache.policy.down():
+            return  # a node backing off: the leases expire on their own
+        try:
+            await cache.client.delete_many([lease_key(k) for k in store_keys])
+        except StoreError as exc:
+            cache.policy.failed(NodeName(cache.client.safe_url), "lease", exc)
+
+    async def wait_for_values(self, store_keys: Sequence[bytes], deadline: float | None = None
+                              ) -> tuple[dict[bytes, Any], list[bytes]]:
+        """Values of keys other processes hold leases on: polled until each one arrives,
+        or its lease is free again (its holder died or gave up: then it is this
+        process's to compute), or the deadline (default: ``lease`` seconds from now, plus
+        the store's expiry slack: memcached expires whole seconds).
+
+        Returns the values found and the keys this process must now compute.
+        """
+        cache = self.cache
+        if deadline is None:
+            deadline = time.monotonic() + (cache.lease or 0.0) + cache.client.expiry_slack
+        counters = cache.counters.shard()
+        counters["lease_waits"] += len(store_keys)
+        found: dict[bytes, Any] = {}
+        mine: list[bytes] = []
+        pending = list(store_keys)
+        delay, longest = LEASE_POLL
+        while pending:
+            values, error = await cache.reads.values(pending, second_look=True)
+            still = []
+            for key, value in zip(pending, values):
+                if is_value(value):
+                    found[key] = value
+                else:
+                    still.append(key)
+            counters["lease_hits"] += len(pending) - len(still)
+            if error is not None:  # the store is in trouble: compute the rest here
+                mine += still
+                break
+            if not still:
+                break
+            more, got, pending = await self.claim(still)  # free again: the holder is gone
+            found.update(more)
+            mine += got
+            remaining = deadline - time.monotonic()
+            if pending and remaining <= 0:
+                counters["lease_timeouts"] += len(pending)
+                mine += pending
+                break
+            if pending:
+                await asyncio.sleep(min(delay, remaining))
+                delay = min(delay * 1.5, longest)
+        return found, mine

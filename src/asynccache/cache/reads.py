@@ -1,0 +1,185 @@
+"""The read path of a cache: store bytes to values, with every failure reported to the
+failure policy, the L1 tier asked first, and chunked values joined.
+
+What a read hands back is a value per key, or a marker (:mod:`asynccache.cache.markers`):
+``MISSING`` (absent or unusable), ``NOT_READ`` (its node failed or backs off),
+:class:`~asynccache.cache.markers.Failed` (raise mode: undecodable). Any thread may
+decode; only :meth:`ReadPath.blobs` and :meth:`ReadPath.values` need the cache's loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..errors import DecodeError, FormatMismatch, StoreError
+from . import chunks
+from .codec import ChunkManifest
+from .markers import MISSING, NOT_READ, Failed
+
+if TYPE_CHECKING:
+    from .core import AsyncKVCache
+
+__all__ = ["ReadPath"]
+
+#: Values no reader can change in place: handed to every reader as they are.
+_IMMUTABLE = frozenset({bool, int, float, complex, str, bytes, type(None)})
+
+
+class ReadPath:
+    """Reads of one :class:`~asynccache.cache.core.AsyncKVCache`."""
+
+    def __init__(self, cache: AsyncKVCache) -> None:
+        self.cache = cache
+
+    async def blobs(self, store_keys: Sequence[bytes]) -> tuple[list[Any], StoreError | None]:
+        """Raw values for ``store_keys`` (``None`` absent, ``NOT_READ`` not read) and the
+        first store failure, already counted and logged. Never raises for the store."""
+        cache = self.cache
+        policy = cache.policy
+        started = time.perf_counter_ns()
+        async with cache._loop().in_flight:
+            sent = time.perf_counter_ns()
+            result = await cache.client.read(store_keys, policy.down())
+        done = time.perf_counter_ns()
+        if result.answered or result.failures:  # a request left (not every node skipped)
+            cache.histograms.record("read", done - sent)
+        counters = cache.counters.shard()
+        counters["batches"] += 1
+        counters["keys_requested"] += len(store_keys)
+        counters["batch_time_us"] += (done - started) // 1000
+        for node in result.answered:
+            policy.succeeded(node)
+        if result.skipped:
+            policy.skipped(result.skipped)
+        error = None
+        for node, exc in result.failures.items():
+            policy.failed(node, "get", exc)
+            error = error or exc
+        return result.values, error
+
+    def decode(self, store_keys: Sequence[bytes], blobs: Sequence[Any],
+               second_look: bool = False) -> tuple[list[Any], dict[int, ChunkManifest], int]:
+        """Decode one multi-get reply: a value per key (``MISSING`` for absent or unusable
+        bytes, ``NOT_READ`` passed through, :class:`Failed` in raise mode), the chunk
+        manifests still to resolve, and the bytes the reply carried (what read-ahead
+        sizes its requests by). No I/O: any thread may call it. ``second_look``: keys
+        this process read a moment ago (see :meth:`Leases.claim
+        <asynccache.cache.leases.Leases.claim>`); bytes that fail to decode were counted
+        and logged then, and are a plain ``MISSING`` now."""
+        cache = self.cache
+        out: list[Any] = [MISSING] * len(blobs)
+        manifests: dict[int, ChunkManifest] = {}
+        decode = cache.codec.decode
+        l1 = cache.l1
+        nbytes = 0
+        for i, blob in enumerate(blobs):
+            if blob is None:
+                continue
+            if blob is NOT_READ:
+                out[i] = NOT_READ
+                continue
+            nbytes += len(blob)
+            try:
+                value = decode(blob, store_keys[i])
+            except DecodeError as exc:
+                out[i] = MISSING if second_look else self.decode_failed(store_keys[i], exc)
+                continue
+            if type(value) is ChunkManifest:
+                manifests[i] = value  # MISSING until its chunks are read
+            else:
+                out[i] = value
+                if l1 is not None:
+                    l1.put(store_keys[i], bytes(blob))
+        cache.counters.shard()["bytes_read"] += nbytes
+        return out, manifests, nbytes
+
+    def from_l1(self, store_keys: Sequence[bytes]) -> tuple[list[Any], list[int]]:
+        """Values the L1 tier holds (decoded afresh, ``NOT_READ`` where it has none) and
+        the positions it had nothing for. Any thread."""
+        cache = self.cache
+        l1 = cache.l1
+        if l1 is None:
+            return [NOT_READ] * len(store_keys), list(range(len(store_keys)))
+        values: list[Any] = [NOT_READ] * len(store_keys)
+        missing = []
+        decode = cache.codec.decode
+        for i, key in enumerate(store_keys):
+            blob = l1.get(key)
+            if blob is None:
+                missing.append(i)
+                continue
+            try:
+                values[i] = decode(blob, key)
+            except DecodeError:  # cannot happen for bytes we decoded before; be safe
+                missing.append(i)
+        hits = len(store_keys) - len(missing)
+        if hits:
+            cache.counters.shard()["l1_hits"] += hits
+        return values, missing
+
+    def decode_failed(self, store_key: bytes, exc: DecodeError) -> Any:
+        """Count and log undecodable bytes: ``MISSING``, or :class:`Failed` in raise mode."""
+        policy = self.cache.policy
+        error = type(exc)(f"key {store_key!r}: {exc}")
+        policy.decode_failed(error)
+        if policy.strict and not isinstance(exc, FormatMismatch):
+            return Failed(error)
+        return MISSING
+
+    async def values(self, store_keys: Sequence[bytes], sizes: list[int] | None = None,
+                     second_look: bool = False) -> tuple[list[Any], StoreError | None]:
+        """Decoded values (or markers) and the first store failure: the whole read path
+        of the loop thread; never raises for the store. Keys the L1 tier holds are not
+        asked for. ``sizes`` gets the bytes the store's reply carried appended (read-ahead
+        sizes its requests by them). ``second_look``: see :meth:`decode`."""
+        if self.cache.l1 is not None:
+            values, missing = self.from_l1(store_keys)
+            if not missing:
+                return values, None
+            if len(missing) < len(store_keys):
+                asked = [store_keys[i] for i in missing]
+                found, error = await self.from_store(asked, sizes, second_look)
+                for i, value in zip(missing, found):
+                    values[i] = value
+                return values, error
+        return await self.from_store(store_keys, sizes, second_look)
+
+    async def from_store(self, store_keys: Sequence[bytes], sizes: list[int] | None = None,
+                         second_look: bool = False) -> tuple[list[Any], StoreError | None]:
+        blobs, error = await self.blobs(store_keys)
+        values, manifests, nbytes = self.decode(store_keys, blobs, second_look)
+        if sizes is not None:
+            sizes.append(nbytes)
+        if manifests:
+            await chunks.resolve(self, store_keys, manifests, values, second_look)
+        return values, error
+
+    def outcomes(self, values: list[Any], error: StoreError | None) -> list[Any]:
+        """Markers → what a caller gets, counting hits and misses: ``MISSING`` for a
+        miss; in raise mode :class:`Failed` for a key whose node failed or whose bytes
+        did not decode (the caller raises it)."""
+        strict = self.cache.policy.strict
+        hits = misses = 0
+        for i, value in enumerate(values):
+            if value is MISSING or value is NOT_READ:
+                if strict and value is NOT_READ and error is not None:
+                    values[i] = Failed(error)
+                    continue
+                values[i] = MISSING
+                misses += 1
+            elif type(value) is not Failed:
+                hits += 1
+        counters = self.cache.counters.shard()
+        counters["hits"] += hits
+        counters["misses"] += misses
+        return values
+
+    def copy_of(self, store_key: bytes, value: Any) -> Any:
+        """An object of its own with ``value``'s content, as a second reader of the same
+        key gets it: encoded and decoded again (only where a key repeats)."""
+        if value is None or type(value) in _IMMUTABLE:
+            return value
+        codec = self.cache.codec
+        return codec.decode(codec.encode(value, store_key), store_key)

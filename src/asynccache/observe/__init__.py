@@ -1,0 +1,2 @@
+"""What the cache tells about itself: counters, histograms, the stats board, the summary
+line, Prometheus."""

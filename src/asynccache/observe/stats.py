@@ -1,0 +1,119 @@
+"""Counters that stay exact under threads, and the "log each kind of failure once" rule.
+
+Why shards: a cache is used from its event loop thread and from every consumer thread
+(DataLoader fetch, thread pools, ``ParallelMapper(method="thread")``). ``counter[k] += 1``
+from two threads loses updates, and a lock per increment costs more than a cache hit.
+So every thread adds to a dict of its own (found through a ``threading.local``) and
+:meth:`Counters.snapshot` sums the shards. A shard is written by exactly one thread;
+reading it from another is a C-level ``dict`` copy, atomic under the GIL. Shards of
+threads that have ended are folded into one, so a pool that churns threads does not
+grow the list.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+
+__all__ = ["CORE_COUNTERS", "Counters", "FailureLog"]
+
+logger = logging.getLogger("asynccache")
+
+#: Counters every cache reports, even at zero (README "stats() counters").
+CORE_COUNTERS = (
+    "hits", "misses", "errors", "decode_errors", "bad_signatures", "outdated", "timeouts",
+    "unavailable",
+    "rejected", "skipped", "batches", "keys_requested", "coalesced", "bytes_read",
+    "sets", "set_batches", "bytes_written", "writes_dropped", "chunked_values",
+    "batch_time_us", "leases", "lease_waits", "lease_hits", "lease_timeouts", "l1_hits",
+    "recalled",
+)
+
+
+class Counters:
+    """Named int counters, one shard per thread; :meth:`snapshot` sums them."""
+
+    def __init__(self, names: Iterable[str] = CORE_COUNTERS) -> None:
+        self.names = tuple(names)
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._live: list[tuple[weakref.ref[threading.Thread], dict[str, int]]] = []
+        self._retired: dict[str, int] = dict.fromkeys(self.names, 0)
+
+    def shard(self) -> dict[str, int]:
+        """This thread's counters (created on its first use). Only this thread writes it."""
+        try:
+            return self._local.shard  # type: ignore[no-any-return]
+        except AttributeError:
+            shard = dict.fromkeys(self.names, 0)
+            self._local.shard = shard
+            with self._lock:
+                self._live.append((weakref.ref(threading.current_thread()), shard))
+            return shard
+
+    def add(self, name: str, n: int = 1) -> None:
+        shard = self.shard()
+        shard[name] = shard.get(name, 0) + n
+
+    def snapshot(self) -> dict[str, int]:
+        """The sum over every thread, as a new dict (every name listed, even at zero)."""
+        with self._lock:
+            live = []
+            for ref, shard in self._live:
+                thread = ref()
+                if thread is None or not thread.is_alive():
+                    _fold(self._retired, dict(shard))
+                else:
+                    live.append((ref, shard))
+            self._live = live
+            total = dict(self._retired)
+            for _ref, shard in live:
+                _fold(total, dict(shard))
+        return total
+
+
+def _fold(into: dict[str, int], shard: dict[str, int]) -> None:
+    for name, value in shard.items():
+        into[name] = into.get(name, 0) + value
+
+
+class FailureLog:
+    """Logs the first failure of each kind at WARNING, the rest at DEBUG.
+
+    A dead store fails every batch; one line per item (or per batch) would bury the
+    training log. The counters keep the totals (they are never deduplicated: only the
+    log is).
+
+    "First" is per process unless ``claim`` is given: then the first time a process
+    sees a kind it asks ``claim(kind)`` whether it is the first of the whole job (a pipe
+    or node passes its stats board's :meth:`~asynccache.observe.board.StatsBoard.claim`), so two
+    DataLoader workers, or the fresh workers of every epoch, log a dead store once.
+    """
+
+    def __init__(self, claim: Callable[[str], bool] | None = None) -> None:
+        self._seen: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+        self.claim = claim
+
+    def first(self, operation: str, exc: BaseException) -> bool:
+        """True the first time this (operation, error type) is seen (in the job, with
+        ``claim``; in this process otherwise)."""
+        kind = (operation, type(exc).__name__)
+        with self._lock:
+            if kind in self._seen:
+                return False
+            self._seen.add(kind)
+        claim = self.claim
+        return claim is None or claim(f"{operation}-{kind[1]}")
+
+    def report(self, operation: str, exc: BaseException, context: str) -> None:
+        if not self.first(operation, exc):
+            logger.debug("asynccache %s failed again (%s): %s", operation, context, exc)
+            return
+        logger.warning(
+            "asynccache: %s failed (%s): %s — falling back to the source; further "
+            "%s errors of this kind are counted in stats() and logged at DEBUG",
+            operation, context, exc, type(exc).__name__,
+        )

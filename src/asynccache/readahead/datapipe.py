@@ -1,0 +1,528 @@
+"""``AsyncKVCacheMapDataPipe``: a shared, remote replacement for ``InMemoryCacheHolder``.
+
+Why it is built this way: docs/design.md, "The pipe".
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import secrets
+import threading
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from .. import _fork
+from .._fork import park_inherited
+from ..cache.codec import Codec
+from ..cache.core import OnError, check_settings
+from ..cache.expiry import check_ttl
+from ..cache.keys import Keyspace
+from ..cache.markers import MISSING
+from ..errors import ClosedError, ConfigError
+from ..observe.stats import CORE_COUNTERS
+from ..store.api import BaseClient
+from . import order as orders
+from .prefetch import Prefetcher
+from .runtime import ProcessRuntime, Reports
+from .window import DEFAULT_PREFETCH_BYTES
+
+try:  # torch is optional: without it the class is a plain map-style wrapper
+    from torch.utils.data import MapDataPipe as _Base
+    from torch.utils.data import functional_datapipe as _functional_datapipe
+except ImportError:  # pragma: no cover - exercised only where torch is absent
+    _Base = object  # type: ignore[assignment,misc]
+    _functional_datapipe = None
+
+__all__ = ["AsyncKVCacheMapDataPipe"]
+
+#: How long close() / worker exit may spend flushing pending writes, in seconds.
+CLOSE_TIMEOUT = 10.0
+_runtime_lock = threading.Lock()
+
+
+def _new_runtime_lock() -> None:
+    global _runtime_lock
+    _runtime_lock = threading.Lock()  # the parent's may have been held by another thread
+
+
+_fork.at_fork(in_child=_new_runtime_lock)
+
+
+class PipeRuntime(ProcessRuntime):
+    """A pipe's runtime: the shared parts plus one prefetcher per consumer thread."""
+
+    def __init__(self, pipe: AsyncKVCacheMapDataPipe) -> None:
+        super().__init__(pipe.client, pipe.keyspace, pipe.ttl, pipe.codec, pipe.on_error,
+                         pipe.lease, pipe._reports, pipe.l1_bytes, self.stats)
+        self.pipe = pipe
+        self.length = len(pipe)
+        #: ``0 <= i < fast_length`` means "an int index needing no normalization"
+        self.fast_length = self.length if pipe._mapping is None else -1
+        self.local = threading.local()
+        #: every thread's prefetcher (for stats and close); ended threads' are folded
+        self.prefetchers: list[tuple[weakref.ref[threading.Thread], Prefetcher]] = []
+        self.retired = Prefetcher.zero_counts()
+        #: the last pass over the order (its batches), and the DataLoader's batch size
+        #: as the first __getitems__ showed it: what a worker's share is cut from
+        self.drawn: list[Any] | None = None
+        self.batch_size: int | None = None
+
+    # -- per-thread read state -----------------------------------------------------------
+    def prefetcher(self) -> Prefetcher:
+        """This thread's prefetcher, made on its first read."""
+        try:
+            return self.local.prefetcher  # type: ignore[no-any-return]
+        except AttributeError:
+            return self._new_prefetcher()
+
+    def order_changed(self) -> None:
+        """Every thread's prefetcher re-plans from the pipe's order at its next read."""
+        with self.lock:
+            for _ref, p in self.prefetchers:
+                p.stale_order = True
+
+    def _new_prefetcher(self) -> Prefetcher:
+        pipe = self.pipe
+        reader = self.new_reader()
+        length = None if pipe._mapping is not None else self.length
+        # prefetch is per node: a batch spread over a cluster's or a pool's nodes keeps
+        # each node's share as large as one server's (the bytes bound still holds)
+        p = Prefetcher(reader, pipe.keyspace.key, length, pipe.prefetch * reader.fanout,
+                       self.cache.policy.strict, pipe.prefetch_bytes)
+        p.follow_order = pipe._follow_order
+        p.stale_order = True  # its first read follows the pipe's order
+        self.local.prefetcher = p
+        with self.lock:
+            self._fold_ended()
+            self.prefetchers.append((weakref.ref(threading.current_thread()), p))
+        return p
+
+    def _fold_ended(self) -> None:
+        """Keep the counters of threads that have ended, close their sockets (locked)."""
+        live = []
+        for ref, p in self.prefetchers:
+            thread = ref()
+            if thread is None or not thread.is_alive():
+                for name, value in p.counts.items():
+                    self.retired[name] += value
+                p.close()
+            else:
+                live.append((ref, p))
+        self.prefetchers = live
+
+    def counts(self) -> dict[str, int]:
+        with self.lock:
+            self._fold_ended()
+            total = dict(self.retired)
+            for _ref, p in self.prefetchers:
+                for name, value in p.counts.items():
+                    total[name] += value
+        return total
+
+    def stats(self) -> dict[str, int]:
+        """This process's counters: the cache's and every thread's prefetcher's."""
+        total = self.cache.stats()
+        total.setdefault("computed", 0)
+        for name, value in self.counts().items():
+            total[name] = total.get(name, 0) + value
+        return total
+
+    def close(self, timeout: float) -> None:
+        with self.lock:
+            prefetchers = [p for _ref, p in self.prefetchers]
+        for p in prefetchers:
+            p.close()
+        self.finish(close=True, timeout=timeout, readers=[p.reader for p in prefetchers])
+
+
+class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
+    """Caches a map-style dataset in a shared key-value store, with batched read-ahead
+    (functional name: ``async_kv_cache``).
+
+    ``dp[i] == source[i]`` for every index, whatever the store does: values come from the
+    store when it holds them, read ahead in batched multi-gets; a miss is computed from
+    ``source`` in the calling thread and written back behind. Works on any ``source``
+    with ``__getitem__`` and ``__len__``; a DataLoader reads whole batches through
+    ``__getitems__`` (one request per batch).
+
+    Args:
+        source: the map-style dataset (or ``MapDataPipe``) whose items are cached.
+        client: a store client from :func:`asynccache.connect`: picklable configuration,
+            it connects lazily in each process (DataLoader workers included).
+        prefetch: upcoming indices read ahead per reading thread (per node of a pool or
+            cluster); grown up to 4x for small values, bounded by ``prefetch_bytes``;
+            0 turns read-ahead off.
+        namespace: the versioned name values are stored under (``"imagenet-v3"``), to
+            reuse them across runs and jobs. Without one the pipe gets a namespace of
+            its own, shared by its copies only, whose values expire after a day.
+        ttl: seconds (or a ``datetime.timedelta``) values live in the store; ``None``:
+            no expiry (an unnamed namespace: a day).
+        codec: how values become bytes (default ``Codec()``: pickle 5, bound to the key;
+            ``Codec(secret=...)`` signs, ``Codec(allow_pickle=False)`` never unpickles).
+        on_error: ``"fallback"`` (default: a store failure is a counted miss, logged
+            once) or ``"raise"``.
+        order: the indices that will be read next (a list, array, tensor, sampler or
+            iterator); ``set_order(loader.batch_sampler)`` follows a DataLoader.
+        lease: seconds; the first process to miss a key computes it while the others
+            wait for its value. Must outlast a batch's computations.
+        l1_bytes: an in-process LRU of this many bytes of encoded values in front of the
+            store (hits counted as ``l1_hits``).
+        prefetch_bytes: the read-ahead window's bound in bytes per reading thread.
+
+    Example:
+        >>> import asynccache as ac
+        >>> from torch.utils.data.datapipes.map import SequenceWrapper
+        >>> client = ac.connect("memory://example")
+        >>> dp = SequenceWrapper([10, 20, 30]).async_kv_cache(client, namespace="ex-v1")
+        >>> dp[1], len(dp), dp.__getitems__([2, 0])
+        (20, 3, [30, 10])
+        >>> dp.close()
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        client: BaseClient[Any],
+        prefetch: int = 64,
+        namespace: str | None = None,
+        ttl: float | None = None,
+        codec: Codec | None = None,
+        on_error: OnError = "fallback",
+        order: Iterable[Any] | None = None,
+        *,
+        lease: float | None = None,
+        l1_bytes: int | None = None,
+        prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
+    ) -> None:
+        if not hasattr(source, "__getitem__") or not hasattr(source, "__len__"):
+            raise ConfigError(
+                f"async_kv_cache needs a map-style source with __getitem__ and __len__, "
+                f"got {type(source).__name__}"
+            )
+        if type(prefetch) is not int or prefetch < 0:
+            raise ConfigError(f"prefetch must be an int >= 0, got {prefetch!r}")
+        if type(prefetch_bytes) is not int or prefetch_bytes <= 0:
+            raise ConfigError(f"prefetch_bytes must be an int > 0 (bytes of read-ahead per "
+                              f"reading thread), got {prefetch_bytes!r}")
+        # settings are checked here, in the caller, not later in a DataLoader worker
+        check_settings(client, on_error, lease, l1_bytes)
+        self.source = source
+        self.client = client
+        self.prefetch = prefetch
+        self.prefetch_bytes = prefetch_bytes
+        self.ttl = check_ttl(ttl)
+        #: the namespace and its key rule; without namespace= one unique to this pipe
+        self.keyspace = Keyspace(namespace, owner="an async_kv_cache pipe")
+        self.namespace = self.keyspace.namespace
+        self.codec = codec
+        self.on_error: OnError = on_error
+        self.lease = lease
+        self.l1_bytes = l1_bytes
+        self._mapping = orders.mapping_behind(source)
+        self.order = self._check_order(order)
+        self._reports = Reports(secrets.token_hex(8), self.namespace)
+        self._reports.bind(self)
+        self._rt: PipeRuntime | None = None
+        #: this process's final counters once close() ran (then any read is an error)
+        self._closed: dict[str, int] | None = None
+
+    # -- runtime ---------------------------------------------------------------------------
+    def _runtime(self) -> PipeRuntime:
+        rt = self._rt
+        if rt is not None and rt.current():
+            return rt
+        if self._closed is not None:
+            raise ClosedError(f"{self!r} was used after close(): build a new pipe (its "
+                              "stats() still gives this one's final counters)")
+        with _runtime_lock:  # threads reading a fresh pipe at once must share one runtime
+            rt = self._rt
+            if rt is None or not rt.current():
+                if rt is not None:
+                    park_inherited(rt)  # the parent's prefetchers, sockets and locks
+                rt = self._rt = PipeRuntime(self)
+                rt.loop.add_shutdown_hook(self)
+        return rt
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_rt"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    # -- indices, keys and orders ----------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def key_for(self, index: Any) -> bytes:
+        """The store key of ``index``: ``b"ac:" + namespace + b":" + str(index)`` for an
+        int; other keys by the encoding of :mod:`asynccache.cache.keys`."""
+        return self.keyspace.key(index)
+
+    def _normalize(self, index: Any) -> Any:
+        """The canonical form of an index: an int in range for a sequence source (numpy
+        and torch integers converted, negatives counted from the end), the key itself
+        for a keyed source. ``dp[i]`` and ``order`` go through the same rule."""
+        if self._mapping is not None:
+            if isinstance(index, str | bytes | tuple):
+                return index
+            try:
+                return operator.index(index)
+            except TypeError:
+                return index  # the key encoding decides (and explains) what is refused
+        try:
+            i = operator.index(index)
+        except TypeError:
+            if isinstance(index, str | bytes | tuple):
+                return index  # a source indexed by something else: cache under that key
+            raise TypeError(f"indices must be integers (or keys of a keyed source), got "
+                            f"{type(index).__name__}") from None
+        n = len(self.source)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"index {index} out of range for a dataset of length {n}")
+        return i
+
+    def _check_order(self, order: Iterable[Any] | None) -> Iterable[Any] | None:
+        if order is None:
+            return None
+        if isinstance(order, str | bytes) or not isinstance(order, Iterable):
+            raise ConfigError(f"order must be an iterable of indices (a list, array, tensor "
+                              f"or sampler), got {type(order).__name__}")
+        if iter(order) is order:  # an iterator: consume it once, reuse it every epoch
+            order = list(order)
+        try:
+            empty = len(order) == 0  # type: ignore[arg-type]
+        except TypeError:
+            empty = False
+        if empty:
+            raise ConfigError("order is empty: pass the indices that will be read, or "
+                              "order=None to let asynccache detect sequential reads")
+        return order
+
+    def _plan_from(self, items: list[Any]) -> list[Any]:
+        try:
+            return [self._normalize(i) for i in items]
+        except (IndexError, TypeError) as exc:
+            raise ConfigError(f"order contains an index this dataset does not have: "
+                              f"{exc}") from exc
+
+    def _process_plan(self, items: list[Any], rt: PipeRuntime) -> list[Any]:
+        """This process's plan from one pass over the order.
+
+        In a DataLoader worker it is the worker's share: the DataLoader hands batches to
+        workers round-robin, so worker ``w`` of ``W`` gets batches ``w, w+W, ...``. The
+        batches are the order's own when it yields lists (a batch sampler), else the
+        order cut into batches of the size of the first ``__getitems__`` call.
+        """
+        batches: list[Any] | None = items if items and type(items[0]) is list else None
+        worker = orders.worker_info()
+        if worker is not None and batches is None and rt.batch_size:
+            size = rt.batch_size
+            batches = [items[i:i + size] for i in range(0, len(items), size)]
+        if batches is None:
+            return self._plan_from(items)
+        if worker is not None:
+            batches = batches[worker.id::worker.num_workers]
+        return self._plan_from([i for batch in batches for i in batch])
+
+    def _follow_order(self, p: Prefetcher) -> None:
+        order = self.order
+        rt = self._rt
+        if order is None or rt is None:
+            return
+
+        def next_epoch() -> list[Any]:
+            rt.drawn = orders.one_pass(order)
+            return self._process_plan(rt.drawn, rt)
+
+        p.follow(next_epoch(), next_epoch)
+
+    # -- map-style protocol --------------------------------------------------------------------
+    def __getitem__(self, index: Any) -> Any:
+        rt = self._rt
+        if rt is None or rt.fork_generation != _fork.generation:
+            rt = self._runtime()
+        try:
+            p = rt.local.prefetcher
+        except AttributeError:
+            p = rt.prefetcher()
+        if type(index) is not int or not 0 <= index < rt.fast_length:
+            index = self._normalize(index)
+        value = p.take(index)
+        if value is MISSING:
+            value = self._compute([index], rt)[index]
+        return value
+
+    def __getitems__(self, indices: Sequence[Any]) -> list[Any]:
+        """A whole batch with one store request; misses computed and written back."""
+        rt = self._runtime()
+        indices = [self._normalize(i) for i in indices]
+        p = rt.prefetcher()
+        if rt.batch_size is None:
+            rt.batch_size = len(indices)
+            if rt.drawn is not None and orders.worker_info() is not None:
+                # a flat order in a DataLoader worker: now its share can be cut out
+                plan, replan = self._process_plan(rt.drawn, rt), p.replan
+                if replan is not None:
+                    p.follow(plan, replan)  # the epoch clock counts this worker's share
+                else:
+                    p.set_plan(plan)
+        values = p.take_many(indices)
+        missing = [i for i, v in zip(indices, values) if v is MISSING]
+        # A batch's writes are in the store before the next batch is returned; the last
+        # batch of a known plan (this worker's share of the sampler's epoch, or the rest
+        # of the dataset) waits for its own, and so does a batch without a plan. Less
+        # than a batch left counts as the end: with drop_last the loader never sends it.
+        left = p.plan_len - p.pos
+        visible = ("next" if p.plan_len and left >= max(1, len(indices)) and not p.epoch_ends()
+                   else "now")
+        if missing:
+            computed = self._compute(missing, rt, visible=visible)
+            values = [computed[i] if v is MISSING else v for i, v in zip(indices, values)]
+        else:
+            rt.settle()
+        if len(set(indices)) < len(indices):
+            values = self._own_objects(indices, values, rt)
+        return values
+
+    def _own_objects(self, indices: list[Any], values: list[Any], rt: PipeRuntime) -> list[Any]:
+        """A batch that holds an index more than once (a sampler with replacement): every
+        position after the first gets a copy of its own, decoded afresh."""
+        seen: set[Any] = set()
+        out = []
+        for index, value in zip(indices, values):
+            if index in seen:
+                value = rt.cache.reads.copy_of(self.key_for(index), value)
+            else:
+                seen.add(index)
+            out.append(value)
+        return out
+
+    def _compute(self, indices: list[Any], rt: PipeRuntime,
+                 visible: str = "queued") -> dict[Any, Any]:
+        """Compute misses in this thread and write them back (see ProcessRuntime.compute)."""
+        wanted = {self.key_for(i): i for i in dict.fromkeys(indices)}
+        computed = rt.compute(wanted, self.source.__getitem__, visible=visible)
+        return {wanted[key]: value for key, value in computed.items()}
+
+    def __iter__(self) -> Iterator[Any]:
+        rt = self._runtime()
+        if self.order is not None:
+            plan: Sequence[Any] = self._plan_from(orders.one_pass(self.order))
+        elif self._mapping is not None:
+            plan = list(self._mapping.keys())
+        else:
+            plan = range(len(self))
+        rt.prefetcher().set_plan(plan)
+        for index in plan:
+            yield self[index]
+
+    def set_order(self, order: Iterable[Any]) -> None:
+        """Tell the prefetchers the indices that will be read next (every thread's, at its
+        next read); re-iterated when used up."""
+        self.order = self._check_order(order)
+        self._runtime().order_changed()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def stats(self, per_process: bool = False) -> Any:
+        """hits, misses, errors, prefetch_hits, stalls, computed, bytes_read, ... (ints).
+
+        In the process that built the pipe: the sum over every copy of it — this
+        process's and those of DataLoader workers, as of their last report (at most about
+        a second old; final once they exited). In a worker: that worker's own.
+        ``per_process=True``: ``{pid: counters}`` instead of the sum.
+        """
+        local = self._local_stats() if self._closed is None else dict(self._closed)
+        if per_process:
+            return {os.getpid(): local, **self._reports.others()}
+        return self._reports.total(local)
+
+    def latency(self, per_process: bool = False) -> Any:
+        """Durations of this pipe's store requests, ``{"read": Latency, "write": Latency}``
+        (see :meth:`AsyncKVCache.latency <asynccache.cache.core.AsyncKVCache.latency>`), summed
+        over the processes of the job like :meth:`stats`; ``per_process=True``:
+        ``{pid: {kind: Latency}}``."""
+        return self._reports.latency(self._rt, per_process)
+
+    def _local_stats(self) -> dict[str, int]:
+        rt = self._rt
+        if rt is None or not rt.current():  # nothing happened in this process yet
+            return {**dict.fromkeys(CORE_COUNTERS, 0),
+                    **Prefetcher.zero_counts(), "computed": 0}
+        return rt.stats()
+
+    def flush(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Wait until pending write-behind entries are in the store (bounded)."""
+        rt = self._rt
+        if rt is not None:
+            rt.flush(timeout)
+
+    def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Flush pending writes, then close this process's connections (bounded).
+
+        The client stays usable (it reconnects lazily); the pipe does not: a read after
+        close() raises :class:`~asynccache.errors.ClosedError`. ``stats()`` keeps
+        answering with the final counters. Closing twice does nothing.
+        """
+        if self._closed is not None:
+            return
+        rt = self._rt
+        final = self._local_stats()
+        if rt is not None and rt.current():
+            rt.close(timeout)
+            final = rt.stats()
+        self._closed, self._rt = final, None
+
+    def _on_loop_shutdown(self) -> None:
+        self.close()
+
+    def __enter__(self) -> AsyncKVCacheMapDataPipe:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"AsyncKVCacheMapDataPipe({type(self.source).__name__}, {self.client!r}, "
+                f"prefetch={self.prefetch}, namespace={self.namespace!r})")
+
+
+def _register_functional_form() -> None:
+    """``MapDataPipe.async_kv_cache(client, ...)``, once per process (reload-safe)."""
+    if _functional_datapipe is None or "async_kv_cache" in _Base.functions:
+        return
+    _functional_datapipe("async_kv_cache")(AsyncKVCacheMapDataPipe)
+
+
+def _forward_getitems_through_dataloader_wrapper() -> None:
+    """Let torch's DataLoader reach ``__getitems__`` of a wrapped MapDataPipe.
+
+    ``DataLoader.__init__`` wraps every ``MapDataPipe`` in
+    ``_MapDataPipeSerializationWrapper``, which defines only ``__getitem__``; the
+    fetcher then reads a batch one item (one store round trip) at a time. We add the
+    missing method: it forwards to the wrapped pipe's ``__getitems__`` when it has one,
+    and otherwise does exactly what the fetcher does without it.
+    """
+    try:
+        from torch.utils.data.datapipes.datapipe import _MapDataPipeSerializationWrapper
+    except ImportError:  # pragma: no cover - a torch without the wrapper needs nothing
+        return
+    if "__getitems__" in _MapDataPipeSerializationWrapper.__dict__:
+        return
+
+    def __getitems__(self: Any, indices: Sequence[int]) -> list[Any]:
+        getitems = getattr(type(self._datapipe), "__getitems__", None)
+        if getitems is None:
+            return [self._datapipe[i] for i in indices]
+        return getitems(self._datapipe, indices)
+
+    _MapDataPipeSerializationWrapper.__getitems__ = __getitems__  # type: ignore[attr-defined]
+
+
+_register_functional_form()
+_forward_getitems_through_dataloader_wrapper()

@@ -1,0 +1,459 @@
+"""The prefetcher: keeps the next ``prefetch`` planned indices in flight or ready.
+
+Why it is built this way: docs/design.md, "The prefetcher".
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .._sentinel import Sentinel
+from ..cache.markers import MISSING, NOT_READ, Failed
+from ..errors import CacheError, StoreTimeout
+from .readers import Reader, Ticket
+from .window import BOUNDED_REQUEST_BYTES, DEFAULT_PREFETCH_BYTES, WindowSizer
+
+__all__ = ["COUNTERS", "Prefetcher"]
+
+
+class NOTHING(Sentinel, metaclass=Sentinel):
+    """Not in the ready buffer."""
+
+#: the counters a prefetcher reports in stats()
+COUNTERS = ("hits", "misses", "prefetch_hits", "stalls", "stall_us", "direct_reads",
+            "prefetch_wasted", "stall_timeouts")
+
+def _drain(iterator: Any) -> None:
+    collections.deque(iterator, maxlen=0)
+
+
+class Prefetcher:
+    """Read-ahead for one consumer thread over ``reader``; keys from ``key_of(index)``.
+
+    ``length`` (None for datasets keyed by something else than 0..n-1) bounds
+    sequential read-ahead. ``strict`` is the cache's raise mode.
+    """
+
+    def __init__(self, reader: Reader, key_of: Callable[[Any], bytes],
+                 length: int | None, prefetch: int, strict: bool,
+                 prefetch_bytes: int = DEFAULT_PREFETCH_BYTES) -> None:
+        self.reader = reader
+        self.key_of = key_of
+        self.length = length
+        self.prefetch = max(0, prefetch)
+        self.prefetch_bytes = prefetch_bytes
+        self.sizer = WindowSizer(self.prefetch, prefetch_bytes)
+        #: the sizer's, copied here after each change: read on every item
+        self.window, self.batch = self.sizer.window, self.sizer.batch
+        #: requests carry enough bytes that a wait should do no more than it needs
+        #: (``reader.advance``); below, taking everything that arrived is cheaper
+        self.bounded = False
+        self.strict = strict
+        self.ready: dict[Any, Any] = {}
+        self.inflight: dict[Any, Ticket] = {}
+        self.plan: Sequence[Any] = ()
+        self.plan_len = 0
+        self.pos = 0          # plan position of the next expected index
+        self.requested = 0    # plan positions below this have been requested
+        self.replan: Callable[[], list[Any]] | None = None  # the next epoch of an order
+        self.generation = 0
+        self.last_index: Any = None
+        #: set (by any thread) when the pipe's order changed: re-planned at the next read
+        #: that is not a plain in-order hit, by ``follow_order(self)``
+        self.stale_order = False
+        self.follow_order: Callable[[Prefetcher], None] | None = None
+        self.hits = self.misses = self.prefetch_hits = 0
+        self.stalls = self.stall_us = self.direct_reads = self.wasted = self.stall_timeouts = 0
+        #: in-order reads served from the buffer: the one counter the fast path touches
+        #: (``fast_specials`` of them were misses or failures, counted on the slow path)
+        self.fast_reads = self.fast_specials = 0
+        #: The epoch clock of a followed order (see :meth:`follow`): every other read, and
+        #: the read count at which the current epoch began, in reads of ``epoch_len``.
+        self.slow_reads = 0
+        self.epoch_len = 0  # reads per epoch of the order followed; 0: no order
+        self.epoch_start = 0
+        self.epoch = 0  # turns of the clock so far (requests carry the one they were sent in)
+
+    @staticmethod
+    def zero_counts() -> dict[str, int]:
+        return dict.fromkeys(COUNTERS, 0)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        fast = self.fast_reads
+        return {"hits": self.hits + fast - self.fast_specials, "misses": self.misses,
+                "prefetch_hits": self.prefetch_hits + fast, "stalls": self.stalls,
+                "stall_us": self.stall_us, "direct_reads": self.direct_reads,
+                "prefetch_wasted": self.wasted, "stall_timeouts": self.stall_timeouts}
+
+    # -- plan -----------------------------------------------------------------------------
+    def follow(self, plan: Sequence[Any], replan: Callable[[], list[Any]]) -> None:
+        """Follow an order: ``plan`` is this consumer's epoch of it, ``replan()`` the next.
+
+        Starts the epoch clock: every ``len(plan)`` reads, whatever they read, an epoch is
+        over. The plan is a guess (a worker's copy of an unseeded sampler draws another
+        permutation than the DataLoader), the count is not: a DataLoader hands each worker
+        the same number of items every epoch. At each turn of the clock the misses read
+        ahead are forgotten, because another process may have computed and written them
+        since. A value written in one epoch is thus read in the next even when the plan
+        is wrong, instead of a stale miss, read ahead before it was written, recomputing it.
+        """
+        self.epoch_len = len(plan)
+        self.epoch_start = self.fast_reads + self.slow_reads
+        self.set_plan(plan, replan)
+
+    def _epoch_turned(self, reads: int) -> bool:
+        """After ``reads`` reads: has an epoch of the followed order ended since the last
+        turn? If so, move the clock on and forget the misses read ahead before it: those
+        in the buffer now, and those of requests still in flight when they arrive (their
+        hits are kept: a value is never stale). The plan is requested again from the
+        current position, so a forgotten miss is read again ahead, not one by one."""
+        length = self.epoch_len
+        if not length or reads - self.epoch_start < length:
+            return False
+        self.epoch_start += (reads - self.epoch_start) // length * length
+        self.epoch += 1
+        self.requested = min(self.requested, self.pos)
+        ready = self.ready
+        stale = [i for i, v in ready.items() if v is MISSING or type(v) is Failed]
+        for index in stale:
+            del ready[index]
+        self.wasted += len(stale)
+        return True
+
+    def epoch_ends(self) -> bool:
+        """The reads so far complete an epoch of the followed order (the last batch of a
+        worker's share, even when the plan guessed the wrong indices)."""
+        length = self.epoch_len
+        return bool(length) and self.fast_reads + self.slow_reads - self.epoch_start >= length
+
+    def set_plan(self, plan: Sequence[Any],
+                 replan: Callable[[], list[Any]] | None = None) -> None:
+        """Follow ``plan`` from its start; when it is used up, follow ``replan()``."""
+        self.generation += 1
+        self.wasted += len(self.ready)
+        self.ready.clear()
+        self.inflight.clear()
+        self.plan, self.plan_len, self.pos, self.requested = plan, len(plan), 0, 0
+        self.replan = replan
+        self._top_up()
+
+    def _top_up(self) -> None:
+        """Request planned indices, a batch at a time, while the window has room."""
+        window, batch, plan = self.window, self.batch, self.plan
+        if window == 0:
+            return
+        limit = min(self.plan_len, self.pos + window)
+        start = max(self.requested, self.pos)
+        ready, inflight = self.ready, self.inflight
+        while start < limit:
+            stop = min(start + batch, limit)
+            if stop - start < batch and stop < self.plan_len:
+                break  # wait until a whole batch fits in the window
+            indices = [i for i in plan[start:stop] if i not in ready and i not in inflight]
+            self.requested = start = stop
+            if indices:
+                self._submit(indices)
+
+    def _submit(self, indices: list[Any], direct: bool = False) -> Ticket:
+        key_of = self.key_of
+        try:
+            keys = [key_of(i) for i in indices]
+        except CacheError:  # an index the key scheme refuses: leave it to the direct read
+            if direct:
+                raise
+            pairs = []
+            for i in indices:
+                try:
+                    pairs.append((i, key_of(i)))
+                except CacheError:
+                    continue
+            indices, keys = [i for i, _ in pairs], [k for _, k in pairs]
+        ticket = Ticket(indices, keys, direct=direct, generation=self.generation)
+        ticket.epoch = self.epoch
+        if not direct:
+            self.inflight.update(dict.fromkeys(indices, ticket))
+        self.reader.submit(ticket)
+        return ticket
+
+    def _advance(self, index: Any) -> bool:
+        """Move the plan past ``index``; False when the plan does not go there."""
+        plan, pos = self.plan, self.pos
+        if pos < self.plan_len and plan[pos] == index:
+            self.pos = pos + 1
+            return True
+        for p in range(pos + 1, min(self.plan_len, max(self.requested, pos) + 1)):
+            if plan[p] == index:  # skipped ahead within the requested window
+                self.pos = p + 1
+                return True
+        if pos >= self.plan_len and self.replan is not None:  # the next epoch of an order
+            replan = self.replan
+            plan = replan()
+            if not plan:  # an order that ran dry: stop following it
+                self.replan = None
+                return False
+            self.set_plan(plan, replan)
+            return self._advance(index)
+        return False
+
+    def _after(self, index: Any, on_plan: bool) -> None:
+        """Plan bookkeeping after an access that was not a plain in-order hit."""
+        self.drop_stale()
+        if on_plan:
+            if self.requested - self.pos <= self.window - self.batch:
+                self._top_up()
+        elif (self.window and self.length is not None and type(index) is int
+              and type(self.last_index) is int and index == self.last_index + 1):
+            self._sequential_from(index)
+        self.last_index = index
+
+    def _sequential_from(self, last: int) -> None:
+        """Switch to sequential read-ahead after ``last`` (off-plan contiguous access)."""
+        if self.length is not None and last + 1 < self.length:
+            self.set_plan(range(last + 1, self.length))
+
+    # -- deliveries -------------------------------------------------------------------------
+    def _deliver(self, tickets: list[Ticket]) -> None:
+        """Move completed read-ahead into the ready buffer; drop what was not read."""
+        generation, ready, inflight = self.generation, self.ready, self.inflight
+        for ticket in tickets:
+            if self.sizer.learn(ticket):
+                self._resized()
+            if ticket.direct or ticket.abandoned or ticket.generation != generation:
+                continue
+            if ticket.epoch != self.epoch:  # sent before the clock turned: hits only
+                self._deliver_hits(ticket)
+                continue
+            _drain(map(inflight.pop, ticket.indices, itertools.repeat(None)))
+            if ticket.partial:
+                ready.update((i, v) for i, v in zip(ticket.indices, ticket.values)
+                             if v is not NOT_READ)
+            else:
+                ready.update(zip(ticket.indices, ticket.values))
+
+    def _deliver_hits(self, ticket: Ticket) -> None:
+        ready, inflight = self.ready, self.inflight
+        for index, value in zip(ticket.indices, ticket.values):
+            if inflight.get(index) is not ticket:
+                continue
+            del inflight[index]
+            if value is MISSING or value is NOT_READ or type(value) is Failed:
+                self.wasted += 1  # read again when it comes (directly)
+            else:
+                ready[index] = value
+
+    def _resized(self) -> None:
+        sizer = self.sizer
+        self.window, self.batch = sizer.window, sizer.batch
+        self.bounded = sizer.item_bytes * sizer.batch >= BOUNDED_REQUEST_BYTES
+
+    @property
+    def item_bytes(self) -> float:
+        return self.sizer.item_bytes
+
+    @property
+    def value_bytes(self) -> float:
+        return self.sizer.value_bytes
+
+    def _abandon(self, ticket: Ticket) -> None:
+        """The ticket missed its deadline: forget it (a late result is ignored)."""
+        ticket.abandoned = True
+        self.stall_timeouts += 1
+        inflight = self.inflight
+        for index in ticket.indices:
+            if inflight.get(index) is ticket:
+                del inflight[index]
+        if ticket.error is None:
+            ticket.error = StoreTimeout("a read did not complete within its deadline")
+
+    def _await(self, index: Any) -> Any:
+        """The value of ``index`` if it is in flight (waiting for it); ``NOTHING`` if it
+        was never requested or its read failed (fallback; raise mode raises)."""
+        ticket = self.inflight.get(index)
+        if ticket is None:  # never requested, or delivered by an earlier wait
+            value = self.ready.pop(index, NOTHING)
+            if value is not NOTHING:
+                self.prefetch_hits += 1
+            return value
+        reader = self.reader
+        if not ticket.done:
+            self._deliver(reader.advance(ticket) if self.bounded else reader.poll())
+        stalled = not ticket.done
+        if stalled:  # not here yet: a real stall
+            self.stalls += 1
+            started = time.perf_counter()
+            if not reader.wait(ticket):
+                self._abandon(ticket)
+            self.stall_us += int((time.perf_counter() - started) * 1e6)
+        self._deliver(reader.advance(ticket) if self.bounded else reader.poll())
+        value = self.ready.pop(index, NOTHING)
+        if value is NOTHING:
+            if self.strict and ticket.error is not None:
+                raise ticket.error
+        elif not stalled:
+            self.prefetch_hits += 1  # it had arrived: only its parsing was deferred
+        return value
+
+    def _read_direct(self, indices: list[Any]) -> list[Any]:
+        """Values for indices nobody requested yet (or whose read failed): one request,
+        waited for. ``MISSING`` where absent or not readable (raise mode raises)."""
+        return self._end_direct(self._start_direct(indices))
+
+    def _start_direct(self, indices: list[Any]) -> Ticket:
+        """Send the request of :meth:`_read_direct` (read-ahead sent after it queues
+        behind it, not in front: one round trip for both)."""
+        self.direct_reads += len(indices)
+        return self._submit(indices, direct=True)
+
+    def _end_direct(self, ticket: Ticket) -> list[Any]:
+        indices = ticket.indices
+        if not ticket.done and not self.reader.wait(ticket):
+            self._abandon(ticket)
+        self._deliver(self.reader.poll())  # read-ahead that completed meanwhile
+        if ticket.abandoned:
+            if self.strict:
+                raise ticket.error  # type: ignore[misc]
+            return [MISSING] * len(indices)
+        values = ticket.values
+        if ticket.partial:
+            if self.strict and ticket.error is not None:
+                raise ticket.error
+            values = [MISSING if v is NOT_READ else v for v in values]
+        return values
+
+    def _result(self, value: Any) -> Any:
+        if value is MISSING:
+            self.misses += 1
+        elif type(value) is Failed:
+            raise value.error
+        else:
+            self.hits += 1
+        return value
+
+    def _special_in_order(self, index: Any, value: Any) -> Any:
+        """The fast path's miss or failure (already counted as a fast read): read again
+        if the epoch clock turns with this read, else as buffered."""
+        if self._epoch_turned(self.fast_reads + self.slow_reads - 1):
+            self.fast_reads -= 1  # counted again, as a direct read
+            self.slow_reads += 1
+            self.wasted += 1
+            ticket = self._start_direct([index])  # before the read-ahead below
+            self._top_up()
+            return self._result(self._end_direct(ticket)[0])
+        if self.requested - self.pos <= self.window - self.batch:
+            self._top_up()
+        return self._special(value)
+
+    def _count_slow(self, n: int) -> None:
+        """``n`` reads off the fast path: the epoch clock may turn before them."""
+        self._epoch_turned(self.fast_reads + self.slow_reads)
+        self.slow_reads += n
+
+    def _special(self, value: Any) -> Any:
+        """A buffered value that is not a plain hit (the fast path counted it as one)."""
+        self.fast_specials += 1
+        return self._result(value)
+
+    def _refresh_order(self) -> None:
+        if self.stale_order and self.follow_order is not None:
+            self.stale_order = False
+            self.follow_order(self)
+
+    # -- consumer API -----------------------------------------------------------------------
+    def take(self, index: Any) -> Any:
+        """The value for ``index`` (MISSING on a store miss); read now if not planned."""
+        value = self.ready.pop(index, NOTHING)
+        if value is not NOTHING:
+            pos = self.pos
+            if pos < self.plan_len and self.plan[pos] == index:  # the common case, inlined
+                self.pos = pos + 1
+                self.last_index = index
+                self.fast_reads += 1
+                if value is MISSING or type(value) is Failed:
+                    return self._special_in_order(index, value)
+                if self.requested - pos - 1 <= self.window - self.batch:
+                    self._top_up()
+                return value
+            self._refresh_order()
+            self._count_slow(1)
+            self._after(index, self._advance(index))
+            if value is MISSING:  # out of plan order: it may be older than a write since
+                return self._result(self._read_direct([index])[0])
+            self.prefetch_hits += 1
+            return self._result(value)
+        self._refresh_order()
+        self._count_slow(1)
+        in_order = self.pos < self.plan_len and self.plan[self.pos] == index
+        on_plan = self._advance(index)
+        value = self._await(index)
+        if value is NOTHING or (value is MISSING and not in_order):
+            # sent before the read-ahead _after may start: behind it, this read would
+            # wait for all of it (a new epoch's first window: tens of MiB of large values)
+            ticket = self._start_direct([index])
+            self._after(index, on_plan)
+            return self._result(self._end_direct(ticket)[0])
+        self._after(index, on_plan)
+        return self._result(value)
+
+    def take_many(self, indices: Sequence[Any]) -> list[Any]:
+        """Values for a whole batch: ready ones, awaited ones, then one request for the rest."""
+        self._refresh_order()
+        self._count_slow(len(indices))  # the clock first: before a stale miss is taken
+        self._deliver(self.reader.poll())  # whatever arrived since the last read
+        pop = self.ready.pop
+        out = [pop(i, NOTHING) for i in indices]
+        contiguous = (bool(indices) and type(indices[0]) is int
+                      and type(self.last_index) is int and indices[0] == self.last_index + 1
+                      and all(b == a + 1 for a, b in itertools.pairwise(indices)))
+        on_plan = False
+        in_order = []
+        for n, index in enumerate(indices):
+            in_order.append(self.pos < self.plan_len and self.plan[self.pos] == index)
+            on_plan = self._advance(index) or on_plan
+            value = out[n]
+            if value is MISSING and not in_order[n]:
+                out[n] = NOTHING  # out of plan order: it may be older than a write since
+            elif value is not NOTHING:
+                self.prefetch_hits += 1
+        todo = []
+        for n, value in enumerate(out):
+            if value is NOTHING:
+                value = out[n] = self._await(indices[n])
+                if value is NOTHING or (value is MISSING and not in_order[n]):
+                    todo.append(n)
+        direct = None
+        if todo:  # sent before the read-ahead below: it must not queue behind it
+            direct = self._start_direct(list(dict.fromkeys(indices[n] for n in todo)))
+        if indices:
+            self.drop_stale()
+            if on_plan:
+                self._top_up()
+            elif contiguous and self.window and self.length is not None:
+                self._sequential_from(indices[-1])
+            self.last_index = indices[-1]
+        if direct is not None:
+            fetched = dict(zip(direct.indices, self._end_direct(direct)))
+            for n in todo:
+                out[n] = fetched[indices[n]]
+        return [self._result(v) for v in out]
+
+    def drop_stale(self) -> None:
+        """Forget ready values the consumer skipped, so the buffer stays bounded."""
+        if len(self.ready) <= 2 * self.window + self.batch:
+            return
+        # what was requested ahead on the plan is not stale, even beyond a window that
+        # has shrunk since (the values' sizes became known): only what was skipped is
+        upcoming = set(self.plan[self.pos : max(self.requested, self.pos + self.window)])
+        for index in [i for i in self.ready if i not in upcoming]:
+            if self.ready.pop(index, NOTHING) is not NOTHING:
+                self.wasted += 1
+
+    def close(self) -> None:
+        """Release the reader (in-flight read-ahead is dropped)."""
+        self.reader.close()
+        self.inflight.clear()
+        self.ready.clear()

@@ -1,0 +1,448 @@
+"""Where a prefetcher's reads go: one small interface, two implementations.
+
+Why it is built this way: docs/design.md, "Readers".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+from ..cache import chunks
+from ..cache.core import AsyncKVCache
+from ..errors import CacheError, LoopError, StoreError
+from ..store.api import NOT_READ, ConsumerReads
+from ..store.loop import LoopThread
+
+__all__ = ["L1Reader", "LoopReader", "Reader", "SocketReader", "Ticket"]
+
+logger = logging.getLogger("asynccache")
+
+#: a consumer that did not call into its reader for this long was away (see resume)
+AWAY = 0.05
+
+
+class Ticket:
+    """One read of a batch of keys, from submission to its values."""
+
+    __slots__ = ("abandoned", "deadline", "direct", "done", "epoch", "error", "generation",
+                 "indices", "keys", "nbytes", "parent", "partial", "remaining", "values")
+
+    def __init__(self, indices: list[Any], keys: list[bytes], *, direct: bool = False,
+                 generation: int = 0) -> None:
+        self.indices = indices
+        self.keys = keys
+        self.direct = direct          # the consumer waits for it now (not read-ahead)
+        self.generation = generation  # the prefetcher's plan generation it belongs to
+        self.epoch = 0                # the prefetcher's epoch clock when it was sent
+        self.values: list[Any] = []
+        self.error: CacheError | None = None
+        self.partial = False          # some values are NOT_READ
+        self.done = False
+        self.abandoned = False        # the consumer stopped waiting: ignore its result
+        self.deadline = 0.0
+        self.remaining = 0            # parts still on the wire (SocketReader)
+        self.nbytes = 0               # bytes the store's replies carried (set when done)
+        #: (the ticket this one reads the rest of, positions there): L1Reader
+        self.parent: tuple[Ticket, list[int]] | None = None
+
+
+class Reader(ABC):
+    """The prefetcher's I/O, behind one interface (tests use a scripted fake)."""
+
+    #: nodes a batch is spread over (see ConsumerReads.fanout)
+    fanout = 1
+
+    @abstractmethod
+    def submit(self, ticket: Ticket) -> None:
+        """Start reading ``ticket.keys``; returns without waiting for the store."""
+
+    @abstractmethod
+    def poll(self) -> list[Ticket]:
+        """Tickets completed since the last call, without blocking."""
+
+    @abstractmethod
+    def wait(self, ticket: Ticket) -> bool:
+        """Block until ``ticket`` completes; False if it could not within its deadline."""
+
+    def advance(self, ticket: Ticket) -> list[Ticket]:
+        """Like :meth:`poll`, but doing no more work than ``ticket`` needs: the consumer
+        waits for it, and what else arrived is left for the reads that need it, so no
+        single read pays for receiving and decoding a whole window of read-ahead."""
+        return self.poll()
+
+    def close(self) -> None:
+        """Drop what is in flight and release connections (the consumer thread's)."""
+        return None
+
+    async def cancel_pending(self) -> None:
+        """Cancel loop-side work still running (called on the loop thread)."""
+        return None
+
+
+class SocketReader(Reader):
+    """Read-ahead on the consumer's own connections, one per node."""
+
+    def __init__(self, cache: AsyncKVCache, reads: ConsumerReads, loop: LoopThread) -> None:
+        self.cache = cache
+        self.policy = cache.policy
+        self.loop = loop
+        self.conns = reads.connections
+        self.fanout = reads.fanout
+        self.route = reads.route
+        self.histograms = cache.histograms
+        #: per connection, the ticket parts on its wire, oldest first:
+        #: (ticket, positions, perf_counter_ns when sent)
+        self.parts: list[collections.deque[tuple[Ticket, list[int] | None, int]]] = [
+            collections.deque() for _ in self.conns]
+        self.completed: list[Ticket] = []
+        self.timeout = cache.client.timeout
+        self.looked = 0.0  # time.monotonic() at the end of the last call into this reader
+
+    def resume(self) -> None:
+        """Deadlines run while the consumer is here. Back from longer than ``AWAY``
+        elsewhere (a training step longer than ``timeout``), its read-ahead's replies
+        may sit in the sockets, or behind them in the servers that the full sockets hold
+        back: not a slow server, so every pending request gets ``timeout`` from now. A
+        consumer that is waiting, here, on one node keeps every node's clock running: a
+        trickling pool costs one ``timeout``, not one per node."""
+        now = time.monotonic()
+        if now - self.looked > AWAY:
+            at_least = now + self.timeout
+            for conn in self.conns:
+                conn.extend_deadlines(at_least)
+
+    def submit(self, ticket: Ticket) -> None:
+        self.resume()
+        keys = ticket.keys
+        ticket.values = [NOT_READ] * len(keys)
+        down = self.policy.down()
+        routes: Sequence[tuple[int, list[int] | None]]
+        routes = [(0, None)] if len(self.conns) == 1 else self.route(keys)
+        skipped = 0
+        for ci, positions in routes:
+            conn = self.conns[ci]
+            if conn.node in down:
+                skipped += len(keys) if positions is None else len(positions)
+                ticket.partial = True
+                continue
+            sent = time.perf_counter_ns()
+            try:
+                conn.send_get(keys if positions is None else [keys[p] for p in positions])
+            except StoreError as exc:
+                ticket.partial = True
+                ticket.error = ticket.error or exc
+                self._lost(ci, exc)
+                continue
+            self.parts[ci].append((ticket, positions, sent))
+            ticket.remaining += 1
+        counters = self.cache.counters.shard()
+        counters["keys_requested"] += len(keys)
+        if skipped:
+            self.policy.skipped(skipped)
+        if not ticket.remaining:
+            self._finish(ticket)
+        self.looked = time.monotonic()
+
+    def poll(self) -> list[Ticket]:
+        self.resume()
+        try:
+            return self._poll()
+        finally:
+            self.looked = time.monotonic()
+
+    def _poll(self) -> list[Ticket]:
+        for ci in range(len(self.conns)):
+            if self.parts[ci]:
+                self._read(ci, None)
+        completed, self.completed = self.completed, []
+        return completed
+
+    def _read(self, ci: int, limit: int | None) -> None:
+        """The replies connection ``ci`` has (at most ``limit``), matched to their parts."""
+        conn = self.conns[ci]
+        try:
+            replies = conn.poll(limit)
+        except StoreError as exc:
+            self._lost(ci, exc)
+            return
+        for reply in replies:
+            if not self._arrived(ci, reply):
+                return  # the rest came on a stream that is not trusted any more
+
+    def advance(self, ticket: Ticket) -> list[Ticket]:
+        self.resume()
+        try:
+            return self._advance(ticket)
+        finally:
+            self.looked = time.monotonic()
+
+    def _advance(self, ticket: Ticket) -> list[Ticket]:
+        for ci, parts in enumerate(self.parts):
+            if ticket.done:
+                break
+            # replies come in order: parse this connection only up to the ticket's part
+            upto = next((n for n, (t, _, _) in enumerate(parts) if t is ticket), None)
+            if upto is not None:
+                self._read(ci, upto + 1)
+        completed, self.completed = self.completed, []
+        return completed
+
+    def wait(self, ticket: Ticket) -> bool:
+        self.resume()
+        try:
+            return self._wait_for(ticket)
+        finally:
+            self.looked = time.monotonic()
+
+    def _wait_for(self, ticket: Ticket) -> bool:
+        while not ticket.done:
+            ci = next(ci for ci, parts in enumerate(self.parts)
+                      if any(t is ticket for t, _, _ in parts))
+            try:
+                reply = self.conns[ci].receive()
+            except StoreError as exc:
+                self._lost(ci, exc)
+                continue
+            self._arrived(ci, reply)
+        return True
+
+    def _arrived(self, ci: int, reply: list[Any]) -> bool:
+        """Match a reply to the oldest part on its wire; False (and the connection
+        dropped) when it cannot be that part's."""
+        parts = self.parts[ci]
+        if not parts:  # a reply nobody on this wire asked for: the stream is not ours
+            self._lost(ci, StoreError(f"{self.conns[ci].node} answered a request that was "
+                                      "never sent; its connection is dropped"))
+            return False
+        ticket, positions, sent = parts[0]
+        if len(reply) != (len(ticket.keys) if positions is None else len(positions)):
+            self._lost(ci, StoreError(
+                f"{self.conns[ci].node} answered {len(reply)} values to a request for "
+                f"{len(ticket.keys) if positions is None else len(positions)} keys; its "
+                "connection is dropped (no reply is matched to another request)"))
+            return False
+        parts.popleft()
+        self.histograms.record("read", time.perf_counter_ns() - sent)
+        if positions is None:
+            ticket.values = reply
+        else:
+            values = ticket.values
+            for position, value in zip(positions, reply):
+                values[position] = value
+        self.policy.succeeded(self.conns[ci].node)
+        ticket.remaining -= 1
+        if not ticket.remaining:
+            self._finish(ticket)
+        return True
+
+    def _lost(self, ci: int, exc: StoreError) -> None:
+        """Connection ``ci`` failed: it is dropped together with every request queued on
+        it (closed, so that no reply still buffered in it can ever be matched to a request
+        sent later: the next request opens a fresh one), and every part on its wire is
+        lost."""
+        conn = self.conns[ci]
+        self.policy.failed(conn.node, "get", exc)
+        try:
+            conn.close()
+        except Exception as failed:  # a provider's close() must not stop the reads
+            logger.debug("asynccache: closing the connection to %s failed: %r", conn.node,
+                         failed)
+        parts = self.parts[ci]
+        now = time.perf_counter_ns()
+        while parts:
+            ticket, _positions, sent = parts.popleft()
+            self.histograms.record("read", now - sent)  # it ended: failed after this long
+            ticket.partial = True
+            ticket.error = ticket.error or exc
+            ticket.remaining -= 1
+            if not ticket.remaining:
+                self._finish(ticket)
+
+    def _finish(self, ticket: Ticket) -> None:
+        cache = self.cache
+        values, manifests, ticket.nbytes = cache.reads.decode(ticket.keys, ticket.values)
+        if manifests:  # chunked values: their chunks come through the core's loop
+            try:
+                self.loop.call(chunks.resolve(cache.reads, ticket.keys, manifests, values),
+                               cache.client.timeout * 2 + 1)
+            except (concurrent.futures.TimeoutError, CacheError):
+                pass  # the chunked values stay misses; the core counted what failed
+        cache.counters.shard()["batches"] += 1
+        ticket.values = values
+        ticket.done = True
+        self.completed.append(ticket)
+
+    def close(self) -> None:
+        for conn in self.conns:
+            conn.close()
+        for parts in self.parts:
+            parts.clear()
+
+
+class LoopReader(Reader):
+    """Read-ahead through the asyncio core on the loop thread, handed back per batch."""
+
+    def __init__(self, cache: AsyncKVCache, loop: LoopThread, wait_timeout: float) -> None:
+        self.cache = cache
+        self.loop = loop
+        self.wait_timeout = wait_timeout
+        self.completed: collections.deque[Ticket] = collections.deque()
+        self.cond = threading.Condition(threading.Lock())
+        self.waiting = False
+        self.tasks: set[asyncio.Task[None]] = set()  # loop thread only: strong refs
+
+    def submit(self, ticket: Ticket) -> None:
+        ticket.deadline = time.monotonic() + self.wait_timeout
+        self.loop.call_soon(self._start, ticket)
+
+    def _start(self, ticket: Ticket) -> None:  # loop thread
+        task = self.loop.loop.create_task(self._read(ticket))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _read(self, ticket: Ticket) -> None:  # loop thread
+        values: list[Any] | None = None
+        try:
+            sizes: list[int] = []
+            values, ticket.error = await self.cache.reads.values(ticket.keys, sizes)
+            ticket.nbytes = sum(sizes)
+        except CacheError as exc:  # e.g. a key the policy refused; never lose the ticket
+            ticket.error = exc
+        except Exception as exc:  # an asynccache bug must not hang the consumer
+            ticket.error = StoreError(f"read-ahead failed: {type(exc).__name__}: {exc}")
+        finally:  # cancelled too: every waiter must be woken
+            if values is None:
+                values = [NOT_READ] * len(ticket.keys)
+            ticket.partial = any(v is NOT_READ for v in values)
+            ticket.values = values
+            ticket.done = True
+            self.completed.append(ticket)
+            if self.waiting:
+                with self.cond:
+                    self.cond.notify_all()
+
+    def poll(self) -> list[Ticket]:
+        completed = self.completed
+        out = []
+        while completed:
+            out.append(completed.popleft())
+        return out
+
+    def wait(self, ticket: Ticket) -> bool:
+        if ticket.done:
+            return True
+        if self.loop.in_loop_thread():
+            raise LoopError("a pipe read was called from asynccache's own loop thread, which "
+                            "would deadlock; inside async code use AsyncKVCache directly")
+        with self.cond:
+            self.waiting = True  # set before looking at ticket.done (see _read's order)
+            try:
+                while not ticket.done:
+                    remaining = ticket.deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    self.cond.wait(remaining)
+            finally:
+                self.waiting = False
+        return True
+
+    def close(self) -> None:
+        self.completed.clear()
+
+    async def cancel_pending(self) -> None:
+        tasks = list(self.tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class L1Reader(Reader):
+    """The L1 tier in front of another reader: keys the process holds are served from
+    memory (decoded afresh); only the others go to ``inner``, as a ticket of their own
+    that is merged back into the one the prefetcher knows."""
+
+    def __init__(self, inner: Reader, cache: AsyncKVCache) -> None:
+        self.inner = inner
+        self.fanout = inner.fanout
+        self.cache = cache
+        self.completed: list[Ticket] = []
+        self.rest: dict[int, Ticket] = {}  # id(ticket) -> the ticket reading its misses
+
+    def submit(self, ticket: Ticket) -> None:
+        values, missing = self.cache.reads.from_l1(ticket.keys)
+        if not missing:
+            ticket.values = values
+            ticket.done = True
+            self.completed.append(ticket)
+            return
+        if len(missing) == len(ticket.keys):
+            self.inner.submit(ticket)
+            return
+        ticket.values = values
+        rest = Ticket([ticket.indices[i] for i in missing], [ticket.keys[i] for i in missing],
+                      direct=ticket.direct, generation=ticket.generation)
+        rest.parent = (ticket, missing)
+        self.rest[id(ticket)] = rest
+        self.inner.submit(rest)
+
+    def _merged(self, ticket: Ticket) -> Ticket | None:
+        """The ticket to hand back for one ``inner`` completed: itself, or its parent
+        (once: None if the parent was already merged by a wait)."""
+        if ticket.parent is None:
+            return ticket
+        parent, positions = ticket.parent
+        if self.rest.pop(id(parent), None) is None:
+            return None
+        for position, value in zip(positions, ticket.values):
+            parent.values[position] = value
+        parent.error = ticket.error
+        parent.partial = ticket.partial
+        parent.nbytes = ticket.nbytes  # what crossed the wire (L1 hits did not)
+        parent.done = True
+        return parent
+
+    def poll(self) -> list[Ticket]:
+        out, self.completed = self.completed, []
+        for ticket in self.inner.poll():
+            merged = self._merged(ticket)
+            if merged is not None:
+                out.append(merged)
+        return out
+
+    def advance(self, ticket: Ticket) -> list[Ticket]:
+        rest = self.rest.get(id(ticket))
+        out, self.completed = self.completed, []
+        for done in self.inner.advance(ticket if rest is None else rest):
+            merged = self._merged(done)
+            if merged is not None:
+                out.append(merged)
+        return out
+
+    def wait(self, ticket: Ticket) -> bool:
+        if ticket.done:
+            return True
+        rest = self.rest.get(id(ticket))
+        if rest is None:
+            return self.inner.wait(ticket)
+        if not self.inner.wait(rest):
+            return False
+        merged = self._merged(rest)
+        if merged is not None:
+            self.completed.append(merged)
+        return True
+
+    def close(self) -> None:
+        self.inner.close()
+        self.rest.clear()
+        self.completed.clear()
+
+    async def cancel_pending(self) -> None:
+        await self.inner.cancel_pending()

@@ -1,0 +1,176 @@
+"""How much read-ahead: a window (in flight + ready) and requests, in items, sized by the
+bytes replies carry. The one sizing rule of the pipe's prefetcher and the torchdata node.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+
+from ..cache.markers import MISSING, NOT_READ
+from .readers import Ticket
+
+__all__ = ["BOUNDED_REQUEST_BYTES", "DEFAULT_PREFETCH_BYTES", "FIRST_BATCH", "FIRST_WINDOW",
+           "GROWN_SAMPLE", "SMALL_WINDOW_BYTES", "WINDOW_GROWTH", "WindowSizer",
+           "batch_size_for", "full_window", "learned", "sized_window", "small_item_bytes",
+           "values_found"]
+
+#: Smallest and largest read-ahead request, in keys. Each request costs ~60–90 µs of
+#: client CPU whatever its size, so batches are as large as the window allows.
+MIN_BATCH = 16
+MAX_BATCH = 256
+
+
+#: Read-ahead is bounded in bytes as well as in items, by the sizes the replies showed:
+#: ``prefetch=64`` of 4 MiB values would otherwise be two 128 MiB requests, whose first
+#: value is usable only once the whole reply is in, and 256 MiB in flight per consumer.
+#: The window (in flight + ready) holds about ``prefetch_bytes``; one request carries
+#: about ``prefetch_bytes / REQUESTS_PER_WINDOW`` (at least one value: a single 50 MiB
+#: value is still read, alone).
+DEFAULT_PREFETCH_BYTES = 32 << 20
+REQUESTS_PER_WINDOW = 32
+#: Until a reply has shown how large values are, the window starts this small, in
+#: requests this small (a few extra round trips once per consumer thread, instead of
+#: 2 × 32 values of unknown size, and a first value behind at most 3 others).
+FIRST_WINDOW = 16
+FIRST_BATCH = 4
+#: From this many bytes per request on, a read that waits parses and decodes no further
+#: than the request it waits for (a window that arrived meanwhile is tens of MiB); below
+#: it, taking every reply that arrived at once costs fewer system calls.
+BOUNDED_REQUEST_BYTES = 256 << 10
+#: weight of the newest reply in the bytes-per-item estimate
+_ALPHA = 0.25
+#: Small values: the window grows past ``prefetch`` items, up to ``WINDOW_GROWTH`` times
+#: it, while it holds at most ``SMALL_WINDOW_BYTES``. A request costs ~60–90 µs of client
+#: CPU whatever its size and 64 items of 100 B are 6 KiB: at ``prefetch=64`` two requests
+#: of 32 leave the consumer waiting on round trips. What such a window reads in vain when
+#: the order changes is at most this many bytes, so the growth costs nothing that
+#: ``prefetch`` exists to bound.
+SMALL_WINDOW_BYTES = 1 << 20
+WINDOW_GROWTH = 4
+#: a grown window checks the size of the values found in one reply in this many
+GROWN_SAMPLE = 8
+
+
+def batch_size_for(window: int) -> int:
+    """Keys per read-ahead request for a window: two requests in flight when possible."""
+    if window <= 0:
+        return 0
+    return max(min(window, MIN_BATCH), min(MAX_BATCH, window // 2))
+
+
+def learned(item_bytes: float, nbytes: int, items: int) -> float:
+    """The bytes-per-item estimate after a reply of ``nbytes`` for ``items`` keys (a
+    moving average; a reply without bytes -- all misses -- teaches nothing)."""
+    if not nbytes or not items:
+        return item_bytes
+    per_item = nbytes / items
+    return per_item if item_bytes <= 0 else item_bytes + _ALPHA * (per_item - item_bytes)
+
+
+def full_window(prefetch: int, growth: int = WINDOW_GROWTH) -> int:
+    """The largest window in items: ``prefetch`` grown for the smallest values (0: off)."""
+    return max(0, prefetch) * growth
+
+
+def small_item_bytes(prefetch: int, prefetch_bytes: int, growth: int = WINDOW_GROWTH) -> float:
+    """Bytes per item below which sizes change nothing: the full (grown) window and its
+    requests fit the byte bounds, so replies of such items need not be looked at."""
+    window = full_window(prefetch, growth)
+    full = batch_size_for(window)
+    if not full:
+        return 0.0
+    return min(min(SMALL_WINDOW_BYTES, prefetch_bytes) / window,
+               max(1, prefetch_bytes // REQUESTS_PER_WINDOW) / full)
+
+
+def sized_window(prefetch: int, prefetch_bytes: int, item_bytes: float,
+                 growth: int = WINDOW_GROWTH, value_bytes: float = 0.0) -> tuple[int, int]:
+    """(window, batch) in items for ``prefetch`` items of ``item_bytes`` on average,
+    bounded by ``prefetch_bytes`` (and grown past ``prefetch``, up to ``growth`` times
+    it, while the window would hold at most ``SMALL_WINDOW_BYTES`` if every item were a
+    value of ``value_bytes``: the size of the values found, which misses do not dilute,
+    so a cold epoch of large values does not grow a window the warm one then fills);
+    ``item_bytes <= 0``: nothing known, items only."""
+    window = prefetch
+    if item_bytes > 0 and prefetch > 0:
+        window = max(1, min(prefetch, int(prefetch_bytes // item_bytes)))
+        if window == prefetch and growth > 1:
+            per_value = max(item_bytes, value_bytes)
+            small = int(min(SMALL_WINDOW_BYTES, prefetch_bytes) // per_value)
+            window = max(window, min(full_window(prefetch, growth), small))
+    batch = batch_size_for(window)
+    if item_bytes > 0 and batch > 0:
+        per_request = max(1, prefetch_bytes // REQUESTS_PER_WINDOW)
+        batch = max(1, min(batch, int(per_request // item_bytes)))
+    return window, batch
+
+
+def values_found(ticket: Ticket) -> int:
+    """How many of a completed ticket's values are values (not misses, not unread).
+    By identity: ``list.count`` would compare arrays and tensors with ``==``."""
+    values = ticket.values
+    missing = list(map(operator.is_, values, itertools.repeat(MISSING))).count(True)
+    if ticket.partial:
+        missing += list(map(operator.is_, values, itertools.repeat(NOT_READ))).count(True)
+    return len(values) - missing
+
+
+class WindowSizer:
+    """A read-ahead window and its requests, in items, sized by the bytes replies carry.
+
+    The one sizing rule of the pipe's :class:`Prefetcher` and the torchdata node: a first
+    window of ``FIRST_WINDOW`` in requests of ``FIRST_BATCH`` until a reply shows sizes,
+    then :func:`sized_window` of two moving averages, bytes per item of the current mix
+    (what an item costs in flight) and bytes per value found (what the small-value growth
+    follows). Replies that cannot change anything are not looked at: small values once
+    the window is full, except one reply in ``GROWN_SAMPLE`` to a grown window.
+    """
+
+    __slots__ = ("_full_batch", "_full_window", "_small_item", "batch", "growth",
+                 "item_bytes", "prefetch", "prefetch_bytes", "samples", "value_bytes",
+                 "window")
+
+    def __init__(self, prefetch: int, prefetch_bytes: int,
+                 growth: int = WINDOW_GROWTH) -> None:
+        self.prefetch = max(0, prefetch)
+        self.prefetch_bytes = prefetch_bytes
+        self.growth = growth
+        #: bytes per item the replies carried (moving average; misses count as 0 bytes,
+        #: so it is what an item costs in flight for the current mix); 0: not known yet
+        self.item_bytes = 0.0
+        #: bytes per value found (misses not counted): what sizes the small-value growth
+        self.value_bytes = 0.0
+        self.samples = 0  # replies to a grown window
+        self.window = min(self.prefetch, FIRST_WINDOW)
+        self.batch = min(batch_size_for(self.window), FIRST_BATCH)
+        self._small_item = small_item_bytes(self.prefetch, prefetch_bytes, growth)
+        self._full_window = full_window(self.prefetch, growth)
+        self._full_batch = batch_size_for(self._full_window)
+
+    def learn(self, ticket: Ticket) -> bool:
+        """Take a completed reply's sizes into account; True if it was looked at (the
+        window and batch may have changed)."""
+        nbytes = ticket.nbytes
+        if not (self.batch < self._full_batch or self.window < self._full_window
+                or nbytes > self._small_item * len(ticket.indices)
+                or (nbytes and self.window > self.prefetch and self._sampled(ticket))):
+            return False
+        if not ticket.indices or ticket.abandoned:
+            return False
+        # A reply without bytes (all misses, a cold epoch) teaches nothing about sizes:
+        # it only ends the small first window when no size is known yet.
+        self.item_bytes = learned(self.item_bytes, nbytes, len(ticket.indices))
+        if nbytes:
+            self.value_bytes = learned(self.value_bytes, nbytes, values_found(ticket))
+        self.window, self.batch = sized_window(self.prefetch, self.prefetch_bytes,
+                                               self.item_bytes, self.growth, self.value_bytes)
+        return True
+
+    def _sampled(self, ticket: Ticket) -> bool:
+        """One reply in ``GROWN_SAMPLE`` to a grown window: do its values, misses not
+        counted, turn out too large for it? (Counting misses costs ~30 ns an item: not on
+        every reply of the small values that grew the window.)"""
+        self.samples += 1
+        return (not self.samples % GROWN_SAMPLE
+                and ticket.nbytes > self._small_item * values_found(ticket))

@@ -1,0 +1,1 @@
+"""Stores: bytes in, bytes out, per node; no namespaces, no objects."""

@@ -1,0 +1,1 @@
+"""LMDB: a store on one machine, with no server."""

@@ -1,0 +1,1 @@
+"""memcached, one server or a pool."""

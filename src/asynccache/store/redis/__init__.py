@@ -1,0 +1,1 @@
+"""Redis and Valkey, one server or a cluster."""

@@ -1,0 +1,124 @@
+"""Read-ahead on one Redis server: pipelined ``MGET`` s on a consumer thread's own socket
+(plain, TLS or unix), on the blocking transport.
+
+Replies of small values are parsed by hiredis; once the values a connection reads are
+large (an estimate of the replies' first values past ``BIG_VALUE``) they are parsed by
+:class:`~asynccache.store.protocol.resp_bulk.BulkReader`, which receives each large value
+straight into a buffer of its own. The switch happens at a reply boundary, about once
+per connection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ...errors import StoreError, StoreUnavailable
+from ..api import NodeName
+from ..protocol.resp import RespParser, check_mget_reply, pack_mget, setup_refused, unexpected_reply
+from ..protocol.resp_bulk import BIG_VALUE, BulkReader
+from ..transport.blocking import BlockingConnection, Closed, Request
+from .endpoint import RedisEndpoint
+
+__all__ = ["BlockingRespConnection"]
+
+#: the largest value a reply may claim (Redis' own proto-max-bulk-len default)
+_MAX_VALUE = 512 << 20
+#: weight of the newest reply in the value-size estimate that picks the parser
+_ALPHA = 0.5
+
+
+def _value_buffer(size: int) -> bytearray | memoryview:
+    """Memory for one large value, not zeroed first (the socket overwrites all of it):
+    ``numpy.empty`` when numpy is installed (``bytearray(n)`` writes n zeros, a pass
+    over memory as long as the copy from the kernel), else a bytearray."""
+    np = _numpy()
+    if np is None:
+        return bytearray(size)
+    return memoryview(np.empty(size, dtype=np.uint8))
+
+
+def _numpy() -> Any:
+    global _NP
+    if _NP is False:
+        try:
+            import numpy
+        except ImportError:
+            _NP = None
+        else:
+            _NP = numpy
+    return _NP
+
+
+_NP: Any = False
+
+
+class BlockingRespConnection(BlockingConnection):
+    """One socket, many MGETs in flight, replies matched to requests in order."""
+
+    endpoint: RedisEndpoint
+
+    def __init__(self, endpoint: RedisEndpoint, node: NodeName | None = None) -> None:
+        super().__init__(endpoint, node)
+        #: large values (an estimate of the replies' first values >= BIG_VALUE) are read
+        #: by a BulkReader, each into its own buffer; small ones by hiredis
+        self.big = False
+        self.value_bytes = 0.0
+
+    def _request(self, keys: Sequence[bytes]) -> Request:
+        packed = pack_mget(keys)
+        if self.big != (self.value_bytes >= (BIG_VALUE // 4 if self.big else BIG_VALUE)):
+            self._switch_parser()
+        return Request(packed)
+
+    def _new_parser(self) -> Any:
+        return RespParser()  # setup replies are hiredis': AUTH, SELECT are not MGETs
+
+    def _setup(self, deadline: float) -> None:
+        ep = self.endpoint
+        for request in ep.setup_requests():
+            self._write(request, deadline)
+            try:
+                reply = self._read_one(deadline, "answer", self._parse_resp)
+            except Closed as exc:
+                raise StoreUnavailable(f"redis {ep.where} closed the connection during setup"
+                                       f"{ep.closed_hint(not self._answered)}") from exc
+            refused = setup_refused(ep.where, [reply])
+            self._answered = True
+            if refused is not None:
+                raise refused
+        if self.big:
+            self.parser = self._mget_parser()
+
+    def _mget_parser(self) -> Any:
+        return (BulkReader(max_value=_MAX_VALUE, alloc=_value_buffer) if self.big
+                else RespParser())
+
+    def _switch_parser(self) -> None:
+        """Change parsers at a reply boundary: receive what is pending first (into
+        ``stash``, handed out in order by poll/receive), so that no reply is split
+        between the two."""
+        while self.pending:
+            self.stash.append(self._next_reply())
+        leftover = self.sock is not None and not self.parser.idle
+        self.big = not self.big
+        if leftover:  # bytes nobody asked for: the stream cannot be trusted
+            self._fail()
+            raise StoreError(f"redis {self.endpoint.where} sent bytes no request asked for")
+        if self.sock is not None:
+            self.parser = self._mget_parser()
+
+    def _parse_resp(self) -> Any:
+        try:
+            return self.parser.gets()
+        except Exception as exc:  # hiredis.ProtocolError
+            raise unexpected_reply(self.endpoint.where, exc, self.endpoint.address) from exc
+
+    _parse = _parse_resp
+
+    def _accept(self, reply: Any) -> list[Any]:
+        super()._accept(reply)
+        values = check_mget_reply(reply, self.endpoint.where)
+        if values and (first := values[0]) is not None:  # one look per reply: cheap
+            self.value_bytes += _ALPHA * (len(first) - self.value_bytes)
+        return values

@@ -1,0 +1,1 @@
+"""Connections: the pipelined blocking socket and the asyncio protocol every store uses."""
