@@ -270,7 +270,7 @@ def test_order_is_replanned_each_epoch_and_an_empty_replan_stops() -> None:
     epochs: list[list[int]] = [[5, 3, 1], [2, 4], []]
     p, _source = make(full_store(), prefetch=8, auto=True)
 
-    def replan() -> list[int]:
+    def replan(first: int | None = None) -> list[int]:
         return epochs.pop(0) if epochs else []
 
     p.set_plan(replan(), replan)
@@ -318,7 +318,7 @@ def test_values_equal_the_store_under_random_faults() -> None:
     p, source = make(store, prefetch=24, length=200)
     order = list(range(200))
     rng.shuffle(order)
-    p.set_plan(order, lambda: list(order))
+    p.set_plan(order, lambda _first=None: list(order))
     for _ in range(3):
         for i in order:
             source.down = {j for j in range(200) if rng.random() < 0.2}
@@ -463,7 +463,7 @@ def test_a_miss_read_ahead_in_one_epoch_is_read_again_in_the_next(batched: bool)
     store: dict[Any, Any] = {}
     p, source = make(store, prefetch=8, length=100)
     epoch = list(range(10))
-    p.follow(epoch, lambda: list(epoch))
+    p.follow(epoch, lambda _first=None: list(epoch))
     source.complete_all()
     assert source.requested == list(range(8))  # read ahead: all misses, delivered below
     reads = [[50, 12, 33, 71, 28], [90, 45, 17, 60, 81]]  # what the DataLoader really sent
@@ -486,7 +486,7 @@ def test_the_epoch_clock_costs_a_right_plan_nothing() -> None:
     store = full_store(40)
     p, _source = make(store, prefetch=8, length=40, auto=True)
     epoch = list(range(40))
-    p.follow(epoch, lambda: list(epoch))
+    p.follow(epoch, lambda _first=None: list(epoch))
     for _ in range(3):
         for start in range(0, 40, 8):
             assert p.take_many(epoch[start:start + 8]) == [f"v{i}" for i in epoch[start:start + 8]]
@@ -499,7 +499,7 @@ def test_a_turn_reads_the_forgotten_misses_ahead_again() -> None:
     store: dict[Any, Any] = {}
     p, source = make(store, prefetch=8, length=100)
     epoch = list(range(10))
-    p.follow(epoch, lambda: list(epoch))
+    p.follow(epoch, lambda _first=None: list(epoch))
     source.complete_all()
     for i in [50, 12, 33, 71, 28, 90, 45, 17, 60, 81]:  # the epoch the loader really sent
         assert p.take(i) is MISSING
@@ -520,7 +520,7 @@ def test_a_shifted_clock_keeps_the_hits_in_flight() -> None:
     store = full_store(100)
     p, _source = make(store, prefetch=8, length=100, auto=True)
     epoch = list(range(40))
-    p.follow(epoch, lambda: list(epoch))
+    p.follow(epoch, lambda _first=None: list(epoch))
     for i in (90, 70, 50, 95, 75, 55, 85, 65):  # e.g. looking at a few samples first
         assert p.take(i) == f"v{i}"
     peeked = p.counts["direct_reads"]
@@ -536,7 +536,7 @@ def test_forgotten_misses_count_as_wasted_on_either_path(batched: bool) -> None:
     store: dict[Any, Any] = {}
     p, source = make(store, prefetch=8, length=100)
     epoch = list(range(10))
-    p.follow(epoch, lambda: list(epoch))
+    p.follow(epoch, lambda _first=None: list(epoch))
     source.complete_all()
     for i in [50, 12, 33, 71, 28, 90, 45, 17, 60, 81]:
         assert p.take(i) is MISSING
@@ -557,7 +557,7 @@ def test_a_varying_count_per_epoch_costs_no_extra_reads(clock: bool) -> None:
     p, _source = make(store, prefetch=8, length=100, auto=True)
     batches = [list(range(b * 8, b * 8 + 8)) for b in (0, 2, 4, 6)]
     share = [i for b in batches for i in b]
-    p.follow(share, lambda: list(share))
+    p.follow(share, lambda _first=None: list(share))
     if not clock:
         p.epoch_len = 0  # no clock
     for b in (batches[0], batches[1], batches[3]):  # epoch 1: batch 4 went elsewhere
@@ -566,3 +566,66 @@ def test_a_varying_count_per_epoch_costs_no_extra_reads(clock: bool) -> None:
         for b in batches:
             assert p.take_many(b) == [f"v{i}" for i in b]
     assert p.counts["direct_reads"] == 8, p.counts  # epoch 1's batch off the window only
+
+
+# -- an order followed across epochs ------------------------------------------------
+
+
+def _epochs(n: int, count: int, seed: int = 3) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        perm = list(range(n))
+        rng.shuffle(perm)
+        out.append(perm)
+    return out
+
+
+def test_the_next_epochs_first_batch_is_read_ahead_across_the_boundary() -> None:
+    epochs = _epochs(40, 3)
+    asked: list[Any] = []
+
+    def replan(first: Any = None) -> list[int]:
+        asked.append(first)
+        return epochs[len(asked) - 1] if len(asked) <= len(epochs) else []
+
+    p, _source = make(full_store(40), prefetch=16, auto=True)
+    p.follow(replan(), replan)
+    for epoch in epochs:
+        for i in epoch:
+            assert p.take(i) == f"v{i}"
+    assert asked == [None, None, None, None]  # every guess confirmed by its first read
+    counts = p.counts
+    assert counts["direct_reads"] == 0 and counts["prefetch_hits"] == 120, counts
+    assert p.replan is None  # the order ran dry after three epochs
+
+
+def test_the_next_epoch_is_read_ahead_one_batch_until_its_first_read_confirms_it() -> None:
+    p, source = make(full_store(64), prefetch=16, auto=True)
+    p.follow(list(range(32)), lambda _first=None: list(range(32, 64)))
+    for i in range(32):
+        p.take(i)
+    assert source.requested[32:] == list(range(32, 32 + p.batch))  # a guess: one batch
+    assert p.take(32) == "v32"
+    assert set(range(32, 48)) <= set(source.requested)  # confirmed: the window follows
+
+
+def test_a_disproved_guess_is_replaced_by_the_epoch_of_the_first_read() -> None:
+    guess, actual = _epochs(50, 2, seed=5)
+    asked: list[Any] = []
+
+    def replan(first: Any = None) -> list[int]:
+        asked.append(first)
+        return guess if first is None else actual
+
+    p, _source = make(full_store(50), prefetch=16, auto=True)
+    p.follow(list(range(50)), replan)
+    assert [p.take(i) for i in range(50)] == [f"v{i}" for i in range(50)]
+    assert asked == [None]  # the guess for the next epoch, read ahead one batch
+    wasted_before = p.counts["prefetch_wasted"]
+    assert [p.take(i) for i in actual] == [f"v{i}" for i in actual]
+    assert asked[:2] == [None, actual[0]]  # then a guess of the epoch after it
+    counts = p.counts
+    # one direct read (the first, that disproved the guess); the rest read ahead
+    assert counts["direct_reads"] <= 1 and counts["prefetch_hits"] >= 50 + 49 - 1, counts
+    assert counts["prefetch_wasted"] - wasted_before <= p.batch

@@ -10,7 +10,7 @@ import os
 import secrets
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from .. import _fork
@@ -336,8 +336,16 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         if order is None or rt is None:
             return
 
-        def next_epoch() -> list[Any]:
-            rt.drawn = orders.one_pass(order)
+        draws = orders.EpochDraws(order)
+
+        def starts_with(first: Any) -> Callable[[list[Any]], bool]:
+            def fits(items: list[Any]) -> bool:
+                plan = self._process_plan(items, rt)
+                return bool(plan) and plan[0] == first
+            return fits
+
+        def next_epoch(first: Any = None) -> list[Any]:
+            rt.drawn = draws.next() if first is None else draws.find(starts_with(first))
             return self._process_plan(rt.drawn, rt)
 
         p.follow(next_epoch(), next_epoch)

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import copy
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-__all__ = ["as_list", "mapping_behind", "one_pass", "worker_info"]
+__all__ = ["EpochDraws", "as_list", "mapping_behind", "one_pass", "worker_info"]
+
+#: How far from its guess a worker looks for the epoch a first read belongs to.
+EPOCH_SEARCH = 8
 
 #: Attributes through which a datapipe chain or wrapper reaches what it wraps.
 _WRAPPED = ("datapipe", "sequence", "dataset", "source")
@@ -75,3 +78,62 @@ def _detached(order: Any, torch: Any) -> Any:
     if inner is not None and inner is not order:
         clone.sampler = _detached(inner, torch)
     return clone
+
+
+def epoch_sampler(order: Any) -> Any:
+    """The sampler inside ``order`` whose permutation is a function of an epoch it is told
+    (``set_epoch(e)`` and an integer ``epoch``, as ``DistributedSampler``), if any."""
+    node, seen = order, 0
+    while node is not None and seen < 4:
+        if callable(getattr(node, "set_epoch", None)) and type(getattr(node, "epoch", None)) is int:
+            return node
+        node, seen = getattr(node, "sampler", None), seen + 1
+    return None
+
+
+class EpochDraws:
+    """One consumer's epochs of an order, one after another.
+
+    In the process that owns the order, each draw iterates a detached copy of the user's
+    sampler as it is now (``one_pass``), which follows whatever the training loop did to
+    it. A DataLoader worker iterates its *own copy*, made when the worker started: a
+    persistent worker's copy of a ``DistributedSampler`` never sees the ``set_epoch(e)``
+    the training loop calls on the parent's. So in a worker each draw after the first
+    moves the copy on one epoch (the common loop: ``set_epoch(epoch)`` every epoch), and
+    when the first read of an epoch shows the guess wrong (the loop skipped or repeated
+    an epoch, or does not call ``set_epoch``), :meth:`find` looks for the epoch that read
+    belongs to, around the guess. The user's sampler is never touched.
+    """
+
+    def __init__(self, order: Iterable[Any]) -> None:
+        self.order = order
+        self.draws = 0
+
+    def _worker_sampler(self) -> Any:
+        return epoch_sampler(self.order) if worker_info() is not None else None
+
+    def next(self) -> list[Any]:
+        """The next epoch, as a guess."""
+        sampler = self._worker_sampler()
+        if sampler is not None and self.draws:
+            sampler.set_epoch(sampler.epoch + 1)
+        self.draws += 1
+        return one_pass(self.order)
+
+    def find(self, fits: Callable[[list[Any]], bool]) -> list[Any]:
+        """The epoch that ``fits`` what was read (else this process's current one)."""
+        items = one_pass(self.order)
+        sampler = self._worker_sampler()
+        if sampler is None or fits(items):
+            return items
+        guess = sampler.epoch
+        for step in range(1, EPOCH_SEARCH + 1):
+            for epoch in (guess - step, guess + step):  # a repeated epoch before a skipped one
+                if epoch < 0:
+                    continue
+                sampler.set_epoch(epoch)
+                found = one_pass(self.order)
+                if fits(found):
+                    return found
+        sampler.set_epoch(guess)
+        return items

@@ -59,7 +59,13 @@ class Prefetcher:
         self.plan_len = 0
         self.pos = 0          # plan position of the next expected index
         self.requested = 0    # plan positions below this have been requested
-        self.replan: Callable[[], list[Any]] | None = None  # the next epoch of an order
+        #: The next epoch of an order: ``replan(None)`` guesses it (asked when a plan is used
+        #: up, so that its first batch is read ahead across the epoch's boundary);
+        #: ``replan(first)`` finds the one whose first read is ``first``.
+        self.replan: Callable[[Any], list[Any]] | None = None
+        #: the plan is a guess that its first read has not confirmed yet; ``tentative``:
+        #: one of the next epoch, read ahead a batch only until then
+        self.guessed = self.tentative = False
         self.generation = 0
         self.last_index: Any = None
         #: set (by any thread) when the pipe's order changed: re-planned at the next read
@@ -91,8 +97,10 @@ class Prefetcher:
                 "prefetch_wasted": self.wasted, "stall_timeouts": self.stall_timeouts}
 
     # -- plan -----------------------------------------------------------------------------
-    def follow(self, plan: Sequence[Any], replan: Callable[[], list[Any]]) -> None:
-        """Follow an order: ``plan`` is this consumer's epoch of it, ``replan()`` the next.
+    def follow(self, plan: Sequence[Any], replan: Callable[[Any], list[Any]]) -> None:
+        """Follow an order: ``plan`` is this consumer's epoch of it, ``replan`` the next
+        (see :attr:`replan`); a plan whose first read is not its first index is replaced
+        by ``replan(that index)``.
 
         Starts the epoch clock: every ``len(plan)`` reads, whatever they read, an epoch is
         over. The plan is a guess (a worker's copy of an unseeded sampler draws another
@@ -104,7 +112,7 @@ class Prefetcher:
         """
         self.epoch_len = len(plan)
         self.epoch_start = self.fast_reads + self.slow_reads
-        self.set_plan(plan, replan)
+        self.set_plan(plan, replan, guessed=True)
 
     def _epoch_turned(self, reads: int) -> bool:
         """After ``reads`` reads: has an epoch of the followed order ended since the last
@@ -131,23 +139,51 @@ class Prefetcher:
         length = self.epoch_len
         return bool(length) and self.fast_reads + self.slow_reads - self.epoch_start >= length
 
-    def set_plan(self, plan: Sequence[Any],
-                 replan: Callable[[], list[Any]] | None = None) -> None:
-        """Follow ``plan`` from its start; when it is used up, follow ``replan()``."""
+    def set_plan(self, plan: Sequence[Any], replan: Callable[[Any], list[Any]] | None = None,
+                 guessed: bool = False, tentative: bool = False) -> None:
+        """Follow ``plan`` from its start; when it is used up, follow ``replan``.
+
+        A ``guessed`` plan is replaced by ``replan(index)`` when its first read is another
+        index. A ``tentative`` one (the next epoch of an order, planned as the current
+        one ends) is read ahead one batch only until a read confirms it: a guess that is
+        wrong, or an epoch that never comes (a worker that exits), wastes one request,
+        not a window.
+        """
         self.generation += 1
         self.wasted += len(self.ready)
         self.ready.clear()
         self.inflight.clear()
         self.plan, self.plan_len, self.pos, self.requested = plan, len(plan), 0, 0
         self.replan = replan
+        self.guessed, self.tentative = guessed or tentative, tentative
         self._top_up()
 
+    def _next_epoch(self, first: Any = None) -> bool:
+        """Replace a used-up (or disproved) plan by the order's next epoch; False when the
+        order ran dry (it is not followed any more)."""
+        replan = self.replan
+        assert replan is not None
+        plan = replan(first)
+        if not plan:
+            self.replan = None
+            return False
+        if first is not None and self.pos == 0 and plan == self.plan:
+            self.guessed = False  # no better plan than the guess: keep what it read ahead
+            return False
+        self.set_plan(plan, replan, tentative=first is None)
+        return True
+
     def _top_up(self) -> None:
-        """Request planned indices, a batch at a time, while the window has room."""
+        """Request planned indices, a batch at a time, while the window has room; when the
+        plan is used up, plan the order's next epoch (its first batch is read ahead)."""
         window, batch, plan = self.window, self.batch, self.plan
         if window == 0:
             return
-        limit = min(self.plan_len, self.pos + window)
+        if self.pos >= self.plan_len and self.replan is not None and self.plan_len:
+            self._next_epoch()
+            return
+        ahead = batch if self.tentative and not self.pos else window
+        limit = min(self.plan_len, self.pos + ahead)
         start = max(self.requested, self.pos)
         ready, inflight = self.ready, self.inflight
         while start < limit:
@@ -185,19 +221,16 @@ class Prefetcher:
         plan, pos = self.plan, self.pos
         if pos < self.plan_len and plan[pos] == index:
             self.pos = pos + 1
+            self.guessed = False
             return True
         for p in range(pos + 1, min(self.plan_len, max(self.requested, pos) + 1)):
             if plan[p] == index:  # skipped ahead within the requested window
                 self.pos = p + 1
+                self.guessed = False
                 return True
-        if pos >= self.plan_len and self.replan is not None:  # the next epoch of an order
-            replan = self.replan
-            plan = replan()
-            if not plan:  # an order that ran dry: stop following it
-                self.replan = None
-                return False
-            self.set_plan(plan, replan)
-            return self._advance(index)
+        if self.replan is not None and (pos >= self.plan_len or (pos == 0 and self.guessed)):
+            # the next epoch of an order, or the guess of it disproved by its first read
+            return self._next_epoch(index) and self._advance(index)
         return False
 
     def _after(self, index: Any, on_plan: bool) -> None:
