@@ -96,6 +96,7 @@ def test_smoke_run_writes_tables_json_and_plots(
     assert "3-node cluster dp[i] vs one node, +0.2 ms" in rows
     assert "memcached 100 B dp[i] vs emcache" in rows
     assert "cold DataLoader epoch vs no cache (lower is better)" in rows
+    assert "cold, no set_order DataLoader epoch vs no cache (lower is better)" in rows
     assert all(row["ours_value"] > 0 and row["peer_value"] > 0 for row in rows.values())
     assert goals["cold"]["computed_per_rep"] == [goals["cold"]["items"]] * len(
         goals["cold"]["computed_per_rep"])  # cold: each item computed once, warm: none

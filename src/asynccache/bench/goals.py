@@ -17,8 +17,9 @@ repetitions); the README states the goals and the bars, this module only measure
   same on one redis-server, directly and with 0.2 ms of round trip added by a loopback
   proxy in a child process (each node behind its own proxy, announced to clients);
 * **cold** -- a DataLoader epoch (2 workers, shuffled, batches of 32, items of 192 KiB
-  that cost ~1.5 ms of CPU each) through ``async_kv_cache`` with an empty store, and
-  again warm, against the same epoch reading the source without a cache.
+  that cost ~1.5 ms of CPU each) through ``async_kv_cache`` with an empty store, with
+  ``set_order(loader.batch_sampler)`` and without it (the default use), and again warm,
+  against the same epoch reading the source without a cache.
 
 ``summary`` lists one row per goal: what is compared, the two figures, the ratio.
 """
@@ -405,8 +406,9 @@ def _one_thread(_: int) -> None:
     torch.set_num_threads(1)
 
 
-def _epoch(dataset: Any) -> tuple[float, float]:
-    """One shuffled epoch with fresh workers: (seconds, checksum of every value)."""
+def _epoch(dataset: Any, follow: bool = True) -> tuple[float, float]:
+    """One shuffled epoch with fresh workers: (seconds, checksum of every value); a pipe
+    is told the loader's order when ``follow``."""
     import torch
     from torch.utils.data import DataLoader
 
@@ -414,7 +416,7 @@ def _epoch(dataset: Any) -> tuple[float, float]:
         dataset, batch_size=COLD_BATCH, shuffle=True, num_workers=COLD_WORKERS,
         worker_init_fn=_one_thread,
     )
-    if isinstance(dataset, ac.AsyncKVCacheMapDataPipe):
+    if follow and isinstance(dataset, ac.AsyncKVCacheMapDataPipe):
         assert loader.batch_sampler is not None
         dataset.set_order(loader.batch_sampler)
     total = 0.0
@@ -428,7 +430,8 @@ def _cold(s: Session, store: Store, mode: int, runner: UvloopRunner) -> dict[str
     n = COLD_ITEMS[mode]
     source = ColdSource(n)
     client = ac.connect(store.url)
-    times: dict[str, list[float]] = {"no cache": [], "cold": [], "warm": []}
+    times: dict[str, list[float]] = {"no cache": [], "cold": [], "cold, no set_order": [],
+                                     "warm": []}
     sums: set[float] = set()
     computed = []
     try:
@@ -449,6 +452,16 @@ def _cold(s: Session, store: Store, mode: int, runner: UvloopRunner) -> dict[str
             finally:
                 pipe.close()
                 delete_keys(store, [pipe.key_for(i) for i in range(n)])
+            blind = ac.AsyncKVCacheMapDataPipe(
+                source, client, prefetch=PREFETCH, namespace=s.namespace("goal-cold-blind", rep)
+            )
+            try:
+                t, total = _epoch(blind, follow=False)
+                times["cold, no set_order"].append(t)
+                sums.add(round(total, 3))
+            finally:
+                blind.close()
+                delete_keys(store, [blind.key_for(i) for i in range(n)])
     finally:
         runner.run(client.close())
     if len(sums) != 1:
@@ -514,7 +527,9 @@ def summary_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
             rows.append(_row(f"3-node cluster {label} vs one node, {rtt}", "cluster", a,
                              "one node", b, a / b, "items/s"))
     cold = results["cold"]["median_s"]
-    for phase in ("cold", "warm"):
+    for phase in ("cold", "cold, no set_order", "warm"):
+        if phase not in cold:  # results of an older run
+            continue
         rows.append(_row(f"{phase} DataLoader epoch vs no cache (lower is better)", phase,
                          cold[phase], "no cache", cold["no cache"],
                          cold[phase] / cold["no cache"], "s"))

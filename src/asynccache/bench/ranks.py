@@ -6,8 +6,10 @@ with 2 persistent DataLoader workers over one shared store, a ``DistributedSampl
 ``dp.set_order(loader.batch_sampler)``. Epoch 0 is cold (every item computed once, by the
 rank whose shard holds it); the later epochs are warm. Measured per rank:
 
-* **served by read-ahead**: ``prefetch_hits / hits`` summed over the rank's workers,
-  that is the share of warm reads whose value was there before the worker asked;
+* **served by read-ahead**: the share of warm reads whose value was there before the
+  worker asked, from the counters summed over every worker of the job:
+  ``(prefetch_hits - misses) / hits``. A lower bound: ``prefetch_hits`` also counts the
+  cold epoch's misses that read-ahead found absent (at most ``misses`` of them);
 * **warm epoch** time (median over the warm epochs), with ``set_order`` and without
   (each batch one blocking multi-get per worker);
 * **computed in warm epochs**, across ranks (must be 0).
@@ -137,11 +139,12 @@ def summary(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """What the bench reports of one job: read-ahead share, warm epoch time, computations."""
     warm_epochs = [e for r in reports for e in r["epochs"][1:]]
     hits = sum(r["stats"]["hits"] for r in reports)
-    prefetch_hits = sum(r["stats"]["prefetch_hits"] for r in reports)
+    # read-ahead also served the cold epoch's misses (as absent): subtract them all
+    prefetch_hits = sum(r["stats"]["prefetch_hits"] - r["stats"]["misses"] for r in reports)
     # an epoch of the job lasts as long as its slowest rank
     epoch_s = [max(r["epochs"][e]["seconds"] for r in reports)
                for e in range(1, len(reports[0]["epochs"]))]
-    return {"served_by_read_ahead": prefetch_hits / hits if hits else 0.0,
+    return {"served_by_read_ahead": max(0, prefetch_hits) / hits if hits else 0.0,
             "warm_epoch_s": statistics.median(epoch_s), "warm_epoch_s_all": epoch_s,
             "computed_warm": sum(e["computed"] for e in warm_epochs) // len(reports),
             "computed_cold": reports[0]["epochs"][0]["computed"],
