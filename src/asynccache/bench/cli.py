@@ -122,8 +122,8 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         packages = ", ".join(sorted({repr(p) for p in missing.values()}))
         raise MissingDependency(
-            f"`asynccache bench` needs {packages} (for {', '.join(missing)}), which is not "
-            "installed: pip install 'asynccache[bench]'")
+            f"`asynccache bench` needs {packages} (for {', '.join(missing)}), not installed "
+            "here: pip install 'asynccache[bench]'")
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     out_dir: Path = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
