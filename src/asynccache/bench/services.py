@@ -372,7 +372,7 @@ def run(
                 for round_no in range(rounds):
                     bar.rep(round_no + 1, rounds)
                     for kind in rotated(KINDS, round_no):
-                        bar.describe(f"services: wrk on {kind}")
+                        bar.describe(f"services: wrk on {kind}, round {round_no + 1}/{rounds}")
                         rows[kind]["rounds"].append(run_wrk(wrk, running[kind], seconds, script))
                         bar.update()
                 for kind, service in running.items():
