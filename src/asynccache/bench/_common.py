@@ -18,7 +18,6 @@ import pickle
 import platform
 import random
 import statistics
-import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
@@ -29,8 +28,8 @@ from urllib.parse import parse_qsl, urlsplit
 import redis
 import redis.asyncio as aioredis
 import uvloop
-from tqdm import tqdm
 
+from ..cli.progress import Progress
 from ..errors import CacheError, ConfigError
 from ..testing import servers
 
@@ -63,6 +62,11 @@ MEMCACHED_ITEM_SIZE = 2 * 1024 * 1024
 
 class BenchError(CacheError):
     """A benchmark measured something other than what it meant to (a bug or a bad store)."""
+
+
+class Skipped(Exception):
+    """Raised by a benchmark's ``run`` that cannot run on this machine (a program it
+    drives is not installed); the message says what to install. Recorded as skipped."""
 
 
 # ------------------------------------------------------------------------------- stores
@@ -148,7 +152,9 @@ def _redis_store(name: str, url: str, private: bool) -> Store:
 
 
 def _memcached_store(url: str, private: bool) -> Store:
-    from pymemcache.client.base import Client as PymemcacheClient
+    from pymemcache.client.base import (  # type: ignore[import-untyped]
+        Client as PymemcacheClient,
+    )
 
     parts = urlsplit(url)
     if parts.scheme != "memcached" or "," in parts.netloc or not parts.hostname:
@@ -319,12 +325,13 @@ def hiredis_available() -> bool:
 
 def machine_info(stores: Mapping[str, Store]) -> dict[str, Any]:
     """CPU, cores, memory, Python, store servers and package versions."""
-    versions = {}
+    versions: dict[str, str | None] = {}
     for name in PACKAGES:
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
+    usable: int | None
     try:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
@@ -511,20 +518,24 @@ def run_interleaved(
     timings: Mapping[str, Timing],
     reps: int,
     warmup: int = 1,
-    step: Callable[[], Any] | None = None,
+    bar: Progress | None = None,
 ) -> None:
     """Warm each case up, then time them round-robin ``reps`` times (A B C A B C ...).
 
     Round-robin rather than case after case, so that slow drift on a shared machine
-    (CPU frequency, a noisy neighbour) lands on every case alike. ``step`` is called
-    after every run (a progress bar).
+    (CPU frequency, a noisy neighbour) lands on every case alike. ``bar`` counts every
+    run and shows the repetition under way.
     """
+    if bar is not None:
+        bar.rep(0, reps)
     for fn in cases.values():
         for _ in range(warmup):
             fn()
-            if step is not None:
-                step()
-    for _ in range(reps):
+            if bar is not None:
+                bar.update()
+    for rep in range(1, reps + 1):
+        if bar is not None:
+            bar.rep(rep, reps)
         for name, fn in cases.items():
             gc.collect()
             cpu = time.process_time()
@@ -532,8 +543,8 @@ def run_interleaved(
             fn()
             timings[name].times.append(time.perf_counter() - started)
             timings[name].cpu_times.append(time.process_time() - cpu)
-            if step is not None:
-                step()
+            if bar is not None:
+                bar.update()
 
 
 def ratio(a: Timing, b: Timing) -> float:
@@ -670,7 +681,7 @@ def _item_and_batch_us(rep: Rep, group: int) -> tuple[Any, Any]:
 
 
 def measure(
-    cases: Sequence[Case], reps: int, warmup: int, step: Callable[[], Any] | None = None
+    cases: Sequence[Case], reps: int, warmup: int, bar: Progress | None = None
 ) -> dict[str, dict[str, Any]]:
     """Warm up, then time ``cases`` round-robin ``reps`` times; a summary per case.
 
@@ -680,17 +691,21 @@ def measure(
     """
     import numpy as np
 
+    if bar is not None:
+        bar.rep(0, reps)
     for case in cases:
         for _ in range(warmup):
             _check(case, case.fn())
-            if step is not None:
-                step()
+            if bar is not None:
+                bar.update()
     walls: dict[str, list[float]] = {c.name: [] for c in cases}
     cpus: dict[str, list[float]] = {c.name: [] for c in cases}
     item_p: dict[str, list[dict[str, float]]] = {c.name: [] for c in cases}
     batch_p: dict[str, list[dict[str, float]]] = {c.name: [] for c in cases}
     pooled: dict[str, list[Any]] = {c.name: [] for c in cases}
-    for _ in range(reps):
+    for rep_no in range(1, reps + 1):
+        if bar is not None:
+            bar.rep(rep_no, reps)
         for case in cases:
             gc.collect()
             cpu = time.process_time()
@@ -703,8 +718,8 @@ def measure(
             item_p[case.name].append(_percentiles(item))
             batch_p[case.name].append(_percentiles(batch))
             pooled[case.name].append(item)
-            if step is not None:
-                step()
+            if bar is not None:
+                bar.update()
     out = {}
     for case in cases:
         median_s = statistics.median(walls[case.name])
@@ -753,22 +768,10 @@ def ratios(
 # ---------------------------------------------------------------------- progress, output
 
 
-class Bar(tqdm):  # type: ignore[type-arg]
-    """A progress bar on stderr, without tqdm's monitor thread."""
-
-    monitor_interval = 0
-
-
-def progress_bar(total: int, desc: str, enabled: bool) -> Bar:
-    return Bar(
-        total=total,
-        desc=desc,
-        disable=not enabled,
-        leave=False,
-        file=sys.stderr,
-        dynamic_ncols=True,
-        unit="run",
-    )
+def progress_bar(total: int, desc: str, enabled: bool) -> Progress:
+    """A module's progress on stderr: its stage, runs done, the repetition under way (a
+    bar on a terminal; one line per stage in a log)."""
+    return Progress(total, desc, unit="run", enabled=enabled, log_stages=True)
 
 
 def fmt_rate(x: float | None) -> str:

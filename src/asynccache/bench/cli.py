@@ -1,7 +1,7 @@
 """``asynccache bench``: run the benchmarks, print tables, write JSON, markdown and PNGs.
 
     asynccache bench [--quick] [--out DIR]
-                     [--only core,datapipe,latency,network,dataloader,workers,local]
+                     [--only goals,core,datapipe,latency,network,dataloader,workers,local,services]
                      [--servers redis,valkey,memcached]
                      [--url-redis URL] [--url-valkey URL] [--url-memcached URL]
                      [--reps N] [--no-progress]
@@ -12,6 +12,11 @@ the run writes expire after an hour and are deleted when each measurement ends).
 ``--quick`` takes under two minutes on a 2-core machine; a full run about ten to
 fifteen. Output (``bench-results/`` by default): ``results.json`` (every number, the
 machine, the configuration), ``summary.md`` (headline and per-module tables) and PNGs.
+
+Only the standard library and asynccache's own dependencies are imported here, so
+``asynccache bench --help`` works without the ``bench`` extra; running it without the
+packages a selected benchmark needs is one line naming the extra, before any server
+starts.
 """
 
 from __future__ import annotations
@@ -29,9 +34,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..errors import MissingDependency
 from . import MODULES
 from ._common import (
     STORES,
+    Skipped,
     busy_note,
     fmt_rate,
     fmt_ratio,
@@ -110,10 +117,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    modules = _load(args.only)
+    missing = {n: m.package for n, m in modules.items() if isinstance(m, _Missing)}
+    if missing:
+        packages = ", ".join(sorted({repr(p) for p in missing.values()}))
+        raise MissingDependency(
+            f"`asynccache bench` needs {packages} (for {', '.join(missing)}), not installed "
+            "here: pip install 'asynccache[bench]'")
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     out_dir: Path = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
-    progress = not args.no_progress and sys.stderr.isatty()
+    # bars on a terminal, a line per stage in a log (cli.progress decides which)
+    progress = not args.no_progress
     urls = {n: getattr(args, f"url_{n}") for n in STORES if getattr(args, f"url_{n}")}
     stores = args.servers or list(STORES)
     for name in urls:
@@ -126,8 +141,6 @@ def run(args: argparse.Namespace) -> int:
     if args.reps is not None and args.reps < 1:
         print("asynccache bench: --reps must be at least 1", file=sys.stderr)
         return 2
-    modules = _load(args.only)
-    explicit = args.only != list(MODULES)
     started = time.perf_counter()
     doc: dict[str, Any] = {
         "schema": SCHEMA,
@@ -151,14 +164,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"machine: {machine_line(session.machine)}", flush=True)
         for note in session.notes:
             print(f"note: {note}", flush=True)
-        for name in args.only:
-            module = modules.get(name)
-            if isinstance(module, str):  # could not be imported
-                doc["modules"][name] = {"skipped": module}
-                failed |= explicit  # asked for by name: its absence is a failure
-                print(f"\n{name}: skipped ({module})", file=sys.stderr, flush=True)
-                continue
-            entry, table = _run_module(name, module, mode, out_dir, progress, session)
+        for number, name in enumerate(args.only, 1):
+            module = modules[name]
+            label = f"{name} ({number}/{len(args.only)})"
+            entry, table = _run_module(label, module, mode, out_dir, progress, session)
             failed |= "error" in entry
             doc["modules"][name] = entry
             if table:
@@ -181,17 +190,25 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+class _Missing:
+    """A benchmark module that could not be imported: which package was missing."""
+
+    def __init__(self, package: str) -> None:
+        self.package = package
+
+
 def _load(names: Sequence[str]) -> dict[str, Any]:
-    """Import the selected modules; a missing one becomes the reason it is skipped."""
+    """Import the selected modules; a third-party package missing becomes a `_Missing`
+    (an import error of ours is a bug, and raised)."""
     out: dict[str, Any] = {}
     for name in names:
         try:
             out[name] = importlib.import_module(f"asynccache.bench.{name}")
         except ImportError as exc:
             package = (exc.name or "").split(".")[0]
-            hint = ("" if package in ("", "asynccache")
-                    else f" (package {package!r} missing: pip install 'asynccache[bench]')")
-            out[name] = f"cannot import asynccache.bench.{name}: {exc}{hint}"
+            if package in ("", "asynccache"):
+                raise
+            out[name] = _Missing(package)
     return out
 
 
@@ -219,7 +236,8 @@ def _command_line(args: argparse.Namespace) -> str:
 def _run_module(
     name: str, module: Any, mode: str, out_dir: Path, progress: bool, session: Any
 ) -> tuple[dict[str, Any], str]:
-    """Run one benchmark; its failure is recorded, not fatal to the others."""
+    """Run one benchmark; its failure is recorded, not fatal to the others. A module
+    that cannot run here (`Skipped`: a program it needs is missing) is noted."""
     kwargs: dict[str, Any] = {"quick": mode != "full", "out_dir": out_dir, "progress": progress}
     if "session" in inspect.signature(module.run).parameters:
         kwargs["session"] = session
@@ -228,6 +246,10 @@ def _run_module(
     entry: dict[str, Any] = {}
     try:
         entry["results"] = module.run(**kwargs)
+    except Skipped as exc:
+        entry["skipped"] = str(exc)
+        print(f"{name}: skipped ({exc})", file=sys.stderr, flush=True)
+        return entry, ""
     except Exception as exc:
         entry["error"] = "".join(traceback.format_exception(exc))
         print(f"{name}: FAILED\n{entry['error']}", file=sys.stderr, flush=True)
@@ -307,7 +329,8 @@ def headline(doc: dict[str, Any]) -> tuple[str, dict[str, Any]]:
                 "best_asynccache": ours,
                 "best_peer": peer,
                 "best_asynccache_mb_per_s": c[ours]["mb_per_s"] if ours else None,
-                "ratio_best_vs_best_peer": ours_rate / peer_rate if peer_rate else None,
+                "ratio_best_vs_best_peer": (
+                    ours_rate / peer_rate if ours_rate and peer_rate else None),
                 "ratio_get_many_vs_floor": ratio("asynccache get_many", role.get("floor")),
                 "ratio_getitems_vs_naive": ratio("asynccache __getitems__", role.get("naive")),
                 "ratio_dp_vs_naive": ratio("asynccache dp[i]", role.get("naive")),
@@ -376,12 +399,12 @@ def headline(doc: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         net_rows = headline_rows(network)
         head["network"] = net_rows
         for r in net_rows:
-            ratio = (
+            net_ratio = (
                 r["items_per_s_dp_prefetch"] / r["items_per_s_naive"]
                 if r["items_per_s_naive"]
                 else None
             )
-            r["ratio_dp_prefetch_vs_naive"] = ratio
+            r["ratio_dp_prefetch_vs_naive"] = net_ratio
             rows.append(
                 [
                     f"{r['store']} {fmt_size(r['value_bytes'])}",
@@ -395,7 +418,7 @@ def headline(doc: dict[str, Any]) -> tuple[str, dict[str, Any]]:
                     fmt_rate(r["items_per_s_dp_prefetch"]),
                     fmt_rate(r["items_per_s_getitems"]),
                     fmt_rate(r["items_per_s_naive"]),
-                    fmt_ratio(ratio),
+                    fmt_ratio(net_ratio),
                 ]
             )
         cfg = network["config"]

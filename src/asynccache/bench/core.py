@@ -34,6 +34,7 @@ from typing import Any
 
 import asynccache as ac
 
+from ..cli.progress import Progress
 from . import plots
 from ._common import (
     Session,
@@ -217,7 +218,7 @@ def run(
         bar = progress_bar(0, "core", s.progress)
         try:
             for label, size, counts in WORKLOADS:
-                bar.set_description(f"core {label}")
+                bar.describe(f"core {label}")
                 results["workloads"][label] = _run_workload(
                     s, runner, cache, hw, store, label, size, counts[mode], bar
                 )
@@ -240,7 +241,7 @@ def _run_workload(
     label: str,
     size: int,
     n: int,
-    bar: Any,
+    bar: Progress,
 ) -> dict[str, Any]:
     values = [os.urandom(size) for _ in range(n)]
     ac_keys = [f"{label}:{i}" for i in range(n)]
@@ -286,9 +287,9 @@ def _run_workload(
             runner, "get xN", n, lambda: _get_all_gathered(cache, ac_keys)
         )
     timings = {name: Timing(name, n, size) for name in cases}
-    bar.total += len(cases) * (s.reps + s.warmup)
+    bar.add_total(len(cases) * (s.reps + s.warmup))
     try:
-        run_interleaved(cases, timings, s.reps, warmup=s.warmup, step=bar.update)
+        run_interleaved(cases, timings, s.reps, warmup=s.warmup, bar=bar)
     finally:
         delete_keys(store, [*hw_keys, *(cache.key(k) for k in ac_keys)])
     floor = timings["hand-written MGET"]

@@ -30,7 +30,7 @@ is recorded) small differences are noise. A checksum of every epoch's pixels mus
 the same for a given size, so a cache returning wrong values shows up as
 ``data_ok: false``.
 
-Interface (the benchmark CLI calls it): :func:`run`, :func:`table`, :func:`plot`.
+Interface (the benchmark CLI calls it): `run`, `table`, `plot`.
 Alone: ``python -m asynccache.bench.dataloader [--quick] [--out DIR] [--url URL]``.
 """
 
@@ -54,21 +54,21 @@ import warnings
 from collections.abc import Iterator, Sequence
 from multiprocessing.context import BaseContext
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-import psutil
+import psutil  # type: ignore[import-untyped]
 import torch
 from torch.utils.data import DataLoader
 
-from ..cli import demo as _demo
-from ..cli.demo import (
+from ..cli import demo_epochs as _demo
+from ..cli.demo import URL_TTL
+from ..cli.demo_epochs import (
     ASYNC_CACHE,
     COLD,
     DICT_CACHE,
     MIB,
     OUT_SIZE,
     RAW_SIZE,
-    URL_TTL,
     WARM,
     InMemoryCache,
     SyntheticImages,
@@ -77,6 +77,7 @@ from ..cli.demo import (
     measure_item_cost,
     timed_pass,
 )
+from ..cli.progress import Progress
 from ..readahead.datapipe import AsyncKVCacheMapDataPipe
 from ..store.connect import connect
 from ..store.memcached.client import MemcachedClient
@@ -159,11 +160,12 @@ def _epoch(
     pids: Any,
     start_rss: Any,
     label: str,
-    progress: bool,
+    bar: Progress,
 ) -> dict[str, Any]:
     with calls.get_lock():
         calls.value = 0
-    seconds, checksum, peaks = timed_pass(loader, n, pids, label, progress)
+    bar.describe(f"dataloader: {label}")
+    seconds, checksum, peaks = timed_pass(loader, pids, bar)
     computed = int(calls.value)
     return {
         "seconds": round(seconds, 4),
@@ -204,7 +206,7 @@ def _run_config(
     ctx: BaseContext,
     batch_size: int,
     item_bytes: int,
-    progress: bool,
+    bar: Progress,
 ) -> dict[str, Any]:
     """A cold and a warm epoch of one (cache, size, loader) on fresh state."""
     source = SyntheticImages(n)
@@ -252,7 +254,7 @@ def _run_config(
                     generator=generator,
                 )
             label = f"{cache} {n} {_loader_label(workers, persistent)} {epoch}"
-            result = _epoch(loader, n, calls, pids, start_rss, label, progress)
+            result = _epoch(loader, n, calls, pids, start_rss, label, bar)
             epochs.append({"epoch": epoch, **result})
         store_after = _store_used(server)
     finally:
@@ -321,12 +323,15 @@ def _load_average() -> list[float] | None:
 
 
 def _machine(server: servers.RedisServer | None, url: str | None, client: Any) -> dict[str, Any]:
+    kind: str | None
+    version: str | None
     if server is not None:
         kind, version, where = server.kind, server.version, f"private, {server.url}"
     else:
         assert url is not None
         kind, version = _external_server(url, client)
         where = f"existing store {client.safe_url}"
+    usable: int | None
     try:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -385,9 +390,11 @@ def run(
         for c in CACHES
     ]
     runs: list[dict[str, Any]] = []
-    with _store(url) as server, warnings.catch_warnings():
+    total = sum(2 * n for n, _w, _p, _c in combos)  # items read: a cold and a warm epoch each
+    with _store(url) as server, warnings.catch_warnings(), \
+            Progress(total, "dataloader", unit="item", enabled=progress, log_stages=True) as bar:
         warnings.filterwarnings("ignore", message=_OVERSUBSCRIBED, category=UserWarning)
-        client = connect(url if server is None else server.url)
+        client = connect(server.url if server is not None else cast(str, url))
         machine = _machine(server, url, client)
         machine["start_method"] = ctx.get_start_method()
         for done, (n, workers, persistent, cache) in enumerate(combos, 1):
@@ -402,18 +409,17 @@ def run(
                 ctx=ctx,
                 batch_size=batch_size,
                 item_bytes=item_bytes,
-                progress=progress,
+                bar=bar,
             )
             runs.append(record)
             if progress:
                 cold, warm = record["epochs"]
-                print(
+                bar.write(
                     f"[{done}/{len(combos)}] {cache:<15} {n:>5} items, "
                     f"{_loader_label(workers, persistent):<24}: cold {cold['seconds']:6.2f} s "
                     f"({cold['computed']} computed), warm {warm['seconds']:6.2f} s "
                     f"({warm['computed']} computed)",
                     file=sys.stderr,
-                    flush=True,
                 )
     machine["load_average_end"] = _load_average()
     checksums: dict[int, set[int]] = {}
@@ -425,7 +431,7 @@ def run(
         "quick": quick,
         "machine": machine,
         "dataset": {
-            "kind": "asynccache.cli.demo.SyntheticImages",
+            "kind": "asynccache.cli.demo_epochs.SyntheticImages",
             "raw": f"3x{RAW_SIZE}x{RAW_SIZE}",
             "item": f"3x{OUT_SIZE}x{OUT_SIZE} uint8",
             "item_bytes": item_bytes,

@@ -48,6 +48,7 @@ import redis
 import asynccache as ac
 from asynccache.store.loop import get_loop_thread
 
+from ..cli.progress import Progress
 from . import plots
 from ._common import (
     BenchError,
@@ -337,7 +338,11 @@ def _profile_pyinstrument(dp: Any, n: int, seconds: float, out_dir: Path) -> dic
 
     def on_loop(fn: Callable[[], Any]) -> None:
         done = threading.Event()
-        loop.call_soon(lambda: (fn(), done.set()))
+        def call() -> None:
+            fn()
+            done.set()
+
+        loop.call_soon(call)
         done.wait(10)
 
     on_loop(in_loop.start)
@@ -467,7 +472,7 @@ def _run(s: Session, store: Any, mode: int, out_dir: Path) -> dict[str, Any]:
         )
         results["b"] = _run_with_work(dp, source, n_work, s.reps, bar)
         if PROFILE_SECONDS[mode]:
-            bar.set_description("datapipe profile")
+            bar.describe("datapipe profile")
             results["profile"] = profile_sequential(dp, n, PROFILE_SECONDS[mode], out_dir)
         results["pipe_stats_total"] = dp.stats()
     finally:
@@ -495,7 +500,7 @@ def _run_throughput(
     reps: int,
     warmup: int,
     diagnostics: bool,
-    bar: Any,
+    bar: Progress,
 ) -> dict[str, Any]:
     def checked(name: str, expected: int, fn: Callable[[], int]) -> Callable[[], None]:
         def case() -> None:
@@ -556,9 +561,9 @@ def _run_throughput(
 
         return case
 
-    bar.total += len(cases) * (reps + warmup)
+    bar.add_total(len(cases) * (reps + warmup))
     run_interleaved(
-        {k: with_stats(k, f) for k, f in cases.items()}, timings, reps, warmup, step=bar.update
+        {k: with_stats(k, f) for k, f in cases.items()}, timings, reps, warmup, bar=bar
     )
     floor = timings["hand-written MGET 64x4 (uvloop)"]
     naive = timings["naive sync GET + pickle.loads"]
@@ -571,7 +576,9 @@ def _run_throughput(
     }
 
 
-def _run_with_work(dp: Any, source: Sequence[bytes], n: int, reps: int, bar: Any) -> dict[str, Any]:
+def _run_with_work(
+    dp: Any, source: Sequence[bytes], n: int, reps: int, bar: Progress
+) -> dict[str, Any]:
     ref = dict(enumerate(source[:n]))
     numpy_work = NumpyWork(WORK_S)
     out: dict[str, Any] = {"numpy_work_elements": numpy_work.size}
@@ -582,8 +589,8 @@ def _run_with_work(dp: Any, source: Sequence[bytes], n: int, reps: int, bar: Any
         }
         timings = {k: Timing(f"{label} {k}", n, VALUE_BYTES) for k in cases}
         before = dp.stats()
-        bar.total += len(cases) * (reps + 1)
-        run_interleaved(cases, timings, reps, warmup=1, step=bar.update)
+        bar.add_total(len(cases) * (reps + 1))
+        run_interleaved(cases, timings, reps, warmup=1, bar=bar)
         out[label] = {
             "timings": {k: t.as_dict() for k, t in timings.items()},
             "per_item_us_dict": timings["dict"].median / n * 1e6,

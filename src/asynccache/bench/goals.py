@@ -39,6 +39,7 @@ from typing import Any
 
 import asynccache as ac
 
+from ..cli.progress import Progress
 from ..testing import servers
 from . import plots
 from ._common import (
@@ -173,7 +174,7 @@ def run(
         runner = UvloopRunner()
         bar = progress_bar(0, "goals", s.progress)
         try:
-            bar.set_description("goals: loopback limit")
+            bar.describe("goals: loopback limit")
             results["wire"] = wire_mb_per_s(WIRE_BYTES[mode], s.reps)
             results["large"] = [
                 _large(s, redis_store, size, mode, runner, bar) for size in LARGE_SIZES
@@ -188,7 +189,7 @@ def run(
                 else []
             )
             results["cluster"] = _cluster(s, redis_store, mode, runner, bar)
-            bar.set_description("goals: cold epochs")
+            bar.describe("goals: cold epochs")
             results["cold"] = _cold(s, redis_store, mode, runner)
         finally:
             bar.close()
@@ -197,16 +198,15 @@ def run(
     return results
 
 
-def _timed(cases: Sequence[Case], s: Session, bar: Any) -> dict[str, dict[str, Any]]:
-    bar.total += len(cases) * (s.reps + s.warmup)
-    bar.refresh()
-    return measure(cases, s.reps, s.warmup, bar.update)
+def _timed(cases: Sequence[Case], s: Session, bar: Progress) -> dict[str, dict[str, Any]]:
+    bar.add_total(len(cases) * (s.reps + s.warmup))
+    return measure(cases, s.reps, s.warmup, bar)
 
 
 def _large(
-    s: Session, store: Store, size: int, mode: int, runner: UvloopRunner, bar: Any
+    s: Session, store: Store, size: int, mode: int, runner: UvloopRunner, bar: Progress
 ) -> dict[str, Any]:
-    bar.set_description(f"goals: {fmt_size(size)} values")
+    bar.describe(f"goals: {fmt_size(size)} values")
     n = max(8, LARGE_BYTES[mode] // size)
     with Workload(s, store, size, n, "goal-large", runner) as w, readers(store, w, runner) as (
         ours,
@@ -217,9 +217,9 @@ def _large(
 
 
 def _small(
-    s: Session, store: Store, size: int, mode: int, runner: UvloopRunner, bar: Any
+    s: Session, store: Store, size: int, mode: int, runner: UvloopRunner, bar: Progress
 ) -> dict[str, Any]:
-    bar.set_description(f"goals: {fmt_size(size)} values")
+    bar.describe(f"goals: {fmt_size(size)} values")
     n = SMALL_ITEMS[mode]
     with Workload(s, store, size, n, "goal-small", runner) as w, readers(store, w, runner) as (
         ours,
@@ -234,9 +234,9 @@ def _small(
 
 
 def _memcached(
-    s: Session, store: Store, size: int, mode: int, runner: UvloopRunner, bar: Any
+    s: Session, store: Store, size: int, mode: int, runner: UvloopRunner, bar: Progress
 ) -> dict[str, Any]:
-    bar.set_description(f"goals: memcached {fmt_size(size)}")
+    bar.describe(f"goals: memcached {fmt_size(size)}")
     n = SMALL_ITEMS[mode]
     with Workload(s, store, size, n, "goal-mc", runner) as w, readers(store, w, runner) as (
         ours,
@@ -301,19 +301,19 @@ class Emcache:
 
 
 def _cluster(
-    s: Session, store: Store, mode: int, runner: UvloopRunner, bar: Any
+    s: Session, store: Store, mode: int, runner: UvloopRunner, bar: Progress
 ) -> list[dict[str, Any]]:
     """100 B values on one node and on a 3-node cluster, direct and through proxies."""
     n = CLUSTER_ITEMS[mode]
     out = []
-    bar.set_description("goals: cluster, direct")
+    bar.describe("goals: cluster, direct")
     cluster = servers.start_redis_cluster(3, binary=servers.find_redis_binary("redis")[0])
     try:
         out.append(_cluster_level(s, store, _cluster_store(store, cluster.url), n, 0.0,
                                   runner, bar))
     finally:
         cluster.stop()
-    bar.set_description(f"goals: cluster, +{CLUSTER_RTT * 1e3:g} ms")
+    bar.describe(f"goals: cluster, +{CLUSTER_RTT * 1e3:g} ms")
     with ProxyProcess() as proxies:
         one_port = proxies.proxy_for(store)
         nodes = [servers.RedisServer(servers.find_redis_binary("redis")[0], cluster=True)
@@ -348,7 +348,7 @@ def _cluster_store(like: Store, url: str) -> Store:
 
 
 def _cluster_level(
-    s: Session, one: Store, cluster: Store, n: int, rtt: float, runner: UvloopRunner, bar: Any
+    s: Session, one: Store, cluster: Store, n: int, rtt: float, runner: UvloopRunner, bar: Progress
 ) -> dict[str, Any]:
     values = [os.urandom(100) for _ in range(n)]
     namespace = s.namespace("goal-cluster", int(rtt * 1e6))

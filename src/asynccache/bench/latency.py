@@ -10,7 +10,7 @@ asynccache's keys and, pickled, under plain keys for the peers; then, timed roun
   (sequential read-ahead, batches on asynccache's loop thread);
 * ``asynccache __getitems__``: the pipe read a batch at a time with ``set_order`` (what
   a DataLoader does with the sampler's order);
-* the peers of :mod:`asynccache.bench.peers`: ``dict + pickle.loads``, a naive
+* the peers of `asynccache.bench.peers`: ``dict + pickle.loads``, a naive
   client (one round trip per item), the hand-written batched floor and aiocache.
 
 Reported per case: items/s, MB/s (value bytes), p50/p95/p99 latency per item and per
@@ -30,6 +30,7 @@ from typing import Any
 
 import asynccache as ac
 
+from ..cli.progress import Progress
 from . import plots
 from ._common import (
     BenchError,
@@ -281,13 +282,13 @@ def run(
         try:
             for store in s.stores.values():
                 for size in SIZES:
-                    bar.set_description(f"latency {store.name} {fmt_size(size)}")
+                    bar.describe(f"latency {store.name} {fmt_size(size)}")
                     results["by_size"].append(_by_size(s, store, size, mode, runner, bar))
             sweep_stores = list(s.stores.values())
             if s.mode != "full":  # the first store is enough for a quick look
                 sweep_stores = sweep_stores[:1]
             for store in sweep_stores:
-                bar.set_description(f"latency {store.name} sweeps")
+                bar.describe(f"latency {store.name} sweeps")
                 batch_sweep, prefetch_sweep = _sweeps(s, store, mode, runner, bar)
                 results["batch_sweep"].append(batch_sweep)
                 results["prefetch_sweep"].append(prefetch_sweep)
@@ -297,13 +298,12 @@ def run(
     return results
 
 
-def _grow(bar: Any, cases: Sequence[Case], s: Session) -> None:
-    bar.total += len(cases) * (s.reps + s.warmup)
-    bar.refresh()
+def _grow(bar: Progress, cases: Sequence[Case], s: Session) -> None:
+    bar.add_total(len(cases) * (s.reps + s.warmup))
 
 
 def _by_size(
-    s: Session, store: Store, size: int, mode: int, runner: UvloopRunner, bar: Any
+    s: Session, store: Store, size: int, mode: int, runner: UvloopRunner, bar: Progress
 ) -> dict[str, Any]:
     n = ITEMS[size][mode]
     n_sync = min(n, SYNC_ITEMS[mode])
@@ -323,7 +323,7 @@ def _by_size(
                 peers.aiocache(w.plain_keys, n, size, batch),
             ]
         _grow(bar, cases, s)
-        measured = measure(cases, s.reps, s.warmup, bar.update)
+        measured = measure(cases, s.reps, s.warmup, bar)
     return {
         "store": store.name,
         "server": store.label,
@@ -350,7 +350,7 @@ def _inverse_p99(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def _sweeps(
-    s: Session, store: Store, mode: int, runner: UvloopRunner, bar: Any
+    s: Session, store: Store, mode: int, runner: UvloopRunner, bar: Progress
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     size = SWEEP_SIZE
     n_full = ITEMS[size][mode]
@@ -372,7 +372,7 @@ def _sweeps(
         for case in cases:
             case.params["sweep"] = case.batch
         _grow(bar, cases, s)
-        batch_cases = measure(cases, s.reps, s.warmup, bar.update)
+        batch_cases = measure(cases, s.reps, s.warmup, bar)
 
         cases = []
         for p in SWEEP_PREFETCH[mode]:
@@ -384,7 +384,7 @@ def _sweeps(
         for case in cases:
             case.params["sweep"] = case.params["prefetch"]
         _grow(bar, cases, s)
-        prefetch_cases = measure(cases, s.reps, s.warmup, bar.update)
+        prefetch_cases = measure(cases, s.reps, s.warmup, bar)
     common = {
         "store": store.name,
         "server": store.label,

@@ -142,6 +142,7 @@ def run(*, quick: bool, out_dir: Path, progress: bool,
                             "redis-unix": redis.url}
                     block: dict[str, Any] = {"value_bytes": size, "items": n, "cases": {}}
                     for name, url in urls.items():
+                        bar.describe(f"local {fmt_size(size)} {name}")
                         namespace = s.namespace("local", name, size)
                         with ac.AsyncKVCacheMapDataPipe(_Values(n, size), ac.connect(url),
                                                         namespace=namespace) as fill:

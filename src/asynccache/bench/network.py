@@ -1,9 +1,9 @@
 """The latency benchmark's reads through a loopback proxy that adds round-trip time.
 
 The store is not local in a real cluster: 0.2 ms is a rack, 1 ms a data centre. This
-module puts :class:`asynccache.testing.proxy.FaultProxy` between every client and the store,
+module puts `asynccache.testing.proxy.FaultProxy` between every client and the store,
 ``set_latency(rtt)`` for each level, and measures the same read paths and peers as
-:mod:`asynccache.bench.latency` -- plus ``dp[i]`` at several prefetch depths and a
+`asynccache.bench.latency` -- plus ``dp[i]`` at several prefetch depths and a
 consumer that does 100 µs of GIL-free work per item (``time.sleep``, as a training step
 waiting on the GPU), which is where read-ahead can hide the round trip entirely.
 
@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from ..cli.progress import Progress
 from . import plots
 from ._common import (
     BenchError,
@@ -174,7 +175,7 @@ def ping_us(store: Store, samples: int = PING_SAMPLES) -> float:
         client: Any = redis.Redis.from_url(store.url)
         op = client.ping
     else:
-        from pymemcache.client.base import Client
+        from pymemcache.client.base import Client  # type: ignore[import-untyped]
 
         client = Client((store.host, store.port), timeout=10, no_delay=True)
         op = client.version
@@ -249,14 +250,14 @@ def _levels(
     mode: int,
     direct_us: float,
     runner: UvloopRunner,
-    bar: Any,
+    bar: Progress,
 ) -> list[dict[str, Any]]:
     n = ITEMS[mode]
     n_paced = PACED_ITEMS[mode]
     out = []
     with Workload(s, store, size, n, "net", runner) as w:
         for rtt in RTTS[mode]:
-            bar.set_description(f"network {store.name} {fmt_size(size)} +{rtt * 1e3:g} ms")
+            bar.describe(f"network {store.name} {fmt_size(size)} +{rtt * 1e3:g} ms")
             proxies.set_latency(port, rtt)
             measured_us = ping_us(proxied)
             n_sync = max(16, min(n, int(SYNC_SECONDS[mode] / (measured_us * 1e-6 + 50e-6))))
@@ -282,9 +283,8 @@ def _levels(
                         peers.floor(w.plain_keys, n, size, BATCH),
                         peers.aiocache(w.plain_keys, n, size, BATCH),
                     ]
-                bar.total += len(cases) * (s.reps + s.warmup)
-                bar.refresh()
-                measured = measure(cases, s.reps, s.warmup, bar.update)
+                bar.add_total(len(cases) * (s.reps + s.warmup))
+                measured = measure(cases, s.reps, s.warmup, bar)
             out.append(
                 {
                     "store": store.name,

@@ -23,9 +23,11 @@ from typing import Any
 import aiomcache
 import redis
 import redis.asyncio as aioredis
-from aiocache import MemcachedCache, RedisCache
-from aiocache.serializers import PickleSerializer
-from pymemcache.client.base import Client as PymemcacheClient
+from aiocache import MemcachedCache, RedisCache  # type: ignore[import-untyped]
+from aiocache.serializers import PickleSerializer  # type: ignore[import-untyped]
+from pymemcache.client.base import (  # type: ignore[import-untyped]
+    Client as PymemcacheClient,
+)
 
 from ._common import (
     Case,
@@ -263,7 +265,7 @@ class MemcachedPeers(Peers):
     def _multi_get(self) -> Any:
         mc = aiomcache.Client(self.store.host, self.store.port, pool_size=self.in_flight)
         self._asyncs.append(mc)
-        loads = pickle.loads
+        loads: Callable[[Any], Any] = pickle.loads  # values are bytes (no decode_responses)
 
         async def one(batch: Sequence[bytes]) -> int:
             values = await mc.multi_get(*batch)
@@ -316,7 +318,7 @@ async def hand_written_mget(
 
 def mget_decoded(r: aioredis.Redis) -> Callable[[Sequence[bytes]], Awaitable[int]]:
     """``one(batch)``: MGET, ``pickle.loads`` of every hit into a dict; returns the hits."""
-    loads = pickle.loads
+    loads: Callable[[Any], Any] = pickle.loads  # values are bytes (no decode_responses)
 
     async def one(batch: Sequence[bytes]) -> int:
         values = await r.mget(batch)
@@ -328,7 +330,7 @@ def mget_decoded(r: aioredis.Redis) -> Callable[[Sequence[bytes]], Awaitable[int
 
 def naive_sync_get(r: redis.Redis, keys: Sequence[bytes]) -> int:
     """One synchronous GET round trip per item, then pickle.loads: what a naive cache does."""
-    loads = pickle.loads
+    loads: Callable[[Any], Any] = pickle.loads  # values are bytes (no decode_responses)
     get = r.get
     n = 0
     for k in keys:

@@ -121,7 +121,11 @@ def _dataloader_case(url: str, namespace: str, n: int, workers: int, follow: boo
 
 
 def _in_process_cases(url: str, namespace: str, n: int, reps: int) -> dict[str, Any]:
-    from torchdata.nodes import Loader, Mapper, SamplerWrapper
+    from torchdata.nodes import (  # type: ignore[import-untyped]
+        Loader,
+        Mapper,
+        SamplerWrapper,
+    )
 
     from ..readahead.nodes import CachedMapper
 
@@ -192,10 +196,12 @@ def run(*, quick: bool, out_dir: Path, progress: bool,
                     for workers in WORKERS:
                         for follow in (False, True):
                             name = f"{workers} workers, {'follows' if follow else 'blind'}"
+                            bar.describe(f"workers +{rtt * 1e3:g} ms, {name}")
                             level["cases"][name] = _dataloader_case(
                                 target.url, namespace, n, workers, follow, reps)
                             bar.update()
                     results["levels"].append(level)
+                bar.describe("workers in process")
                 results["in_process"] = _in_process_cases(store.url, namespace, n, reps)
                 bar.update()
         finally:

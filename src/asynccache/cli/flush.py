@@ -1,7 +1,7 @@
 """``asynccache flush URL --namespace NS``: delete one namespace, and nothing else.
 
 Everything asynccache keeps for a namespace is under ``ac:NS:`` (values, the chunks of
-large values, leases: :mod:`asynccache.cache.keys`), so the keys are listed with the client's
+large values, leases: `asynccache.cache.keys`), so the keys are listed with the client's
 ``scan`` (every node of a pool, every primary of a cluster) and deleted in batches.
 Never ``FLUSHDB``/``flush_all``: other namespaces and other applications share the store.
 

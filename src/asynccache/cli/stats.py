@@ -7,8 +7,11 @@ Two sources, because they answer different questions:
   their values;
 * the **processes on this machine** that use the namespace (pipes and nodes, their
   DataLoader workers included): the counters they publish to their stats boards
-  (:mod:`asynccache.observe.board`), summed. That is the hit rate of the running jobs here; jobs
-  on other machines report on theirs. None running: ``"processes": 0``.
+  (`asynccache.observe.board`), summed. That is the hit rate of the running jobs here; jobs
+  on other machines report on theirs. The counts come from running processes and from
+  ones that already exited (non-persistent DataLoader workers leave their final
+  counters behind while the job runs): ``"processes"`` counts the running ones,
+  ``"exited_processes"`` the others. No job here: ``"boards": 0``.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
 def key_kind(prefix: bytes, key: bytes) -> str:
     """``value``, ``chunk`` or ``lease`` by the tag after the prefix (see
-    :mod:`asynccache.cache.keys`); ``hashed`` for a key the store holds in digest form
+    `asynccache.cache.keys`); ``hashed`` for a key the store holds in digest form
     (memcached, a key it could not take verbatim), whose kind cannot be told."""
     if not key.startswith(prefix):
         return "hashed"
@@ -92,22 +95,23 @@ async def _count(args: argparse.Namespace, prefix: bytes) -> dict[str, Any]:
 
 
 def local_counters(namespace: str) -> dict[str, Any]:
-    """The counters of every live process on this machine that reports for ``namespace``:
-    ``processes`` (running ones), ``boards`` (pipes or nodes) and their summed counters
-    (the final numbers of workers that already exited included); ``ignored_files``:
-    board files that did not parse (not summed)."""
+    """The counters that the processes on this machine report for ``namespace``, summed:
+    ``boards`` (open pipes or nodes), ``processes`` (reporting and still running),
+    ``exited_processes`` (reported, then exited: their final numbers are included);
+    ``ignored_files``: board files that did not parse (not summed)."""
     total: dict[str, int] = {}
     live: set[int] = set()
+    exited: set[int] = set()
     boards = StatsBoard.labelled(namespace)
     for board in boards:
         for pid, counters in board.collect().items():
-            if alive(pid):
-                live.add(pid)
+            (live if alive(pid) else exited).add(pid)
             for name, value in counters.items():
                 total[name] = total.get(name, 0) + value
     hits, misses = total.get("hits", 0), total.get("misses", 0)
     return {
         "processes": len(live),
+        "exited_processes": len(exited - live),
         "boards": len(boards),
         "ignored_files": sum(board.errors for board in boards),
         **{name: total.get(name, 0) for name in SHOWN},
@@ -136,15 +140,35 @@ def _text(doc: dict[str, Any]) -> str:
         parts.append(f"{doc['hashed']:,} in memcached's digest form")
     lines = [f"{doc['prefix']} on {doc['url']}: {doc['keys']:,} keys, "
              f"{human_bytes(doc['bytes'])} ({', '.join(parts)})"]
-    if not doc["processes"] and not doc["boards"]:
-        lines.append(f"no process on this machine reports stats for namespace "
-                     f"{doc['namespace']!r} (processes: 0)")
-    else:
-        rate = "-" if doc["hit_rate"] is None else f"{doc['hit_rate']:.1%}"
-        lines.append(f"hit rate {rate} (hits {doc['hits']:,}, misses {doc['misses']:,}, "
-                     f"errors {doc['errors']:,}) from {doc['processes']} running "
-                     f"process{'es' if doc['processes'] != 1 else ''} on this machine")
+    lines.append(_reporters(doc))
     if doc["ignored_files"]:
         lines.append(f"({doc['ignored_files']:,} stats board files that did not parse were "
                      "ignored)")
     return "\n".join(lines)
+
+
+def _count_of(n: int, one: str, many: str) -> str:
+    return f"{n:,} {one if n == 1 else many}"
+
+
+def _reporters(doc: dict[str, Any]) -> str:
+    """Who the hit rate comes from, in words that fit the counts (never "0 running")."""
+    namespace = doc["namespace"]
+    running, exited = doc["processes"], doc.get("exited_processes", 0)
+    if not doc["boards"]:
+        return (f"no process on this machine has namespace {namespace!r} open "
+                "(no hit rate here)")
+    if not running and not exited:
+        return (f"no process has reported yet "
+                f"({_count_of(doc['boards'], 'pipe or node', 'pipes or nodes')} open "
+                f"for {namespace!r})")
+    if exited and running:
+        source = (f"{_count_of(running + exited, 'process', 'processes')} "
+                  f"({running:,} running, {exited:,} exited)")
+    elif running:
+        source = _count_of(running, "running process", "running processes")
+    else:
+        source = _count_of(exited, "exited process", "exited processes")
+    rate = "-" if doc["hit_rate"] is None else f"{doc['hit_rate']:.1%}"
+    return (f"hit rate {rate} (hits {doc['hits']:,}, misses {doc['misses']:,}, errors "
+            f"{doc['errors']:,}) from {source} on this machine")

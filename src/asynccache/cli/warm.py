@@ -6,7 +6,7 @@ The dataset is named, not pickled: ``module:attr`` where ``attr`` is a map-style
 called with no arguments). The current directory is importable, as with ``python -m``.
 Each of ``--workers`` processes imports it and takes a disjoint share (indices
 ``w, w + N, w + 2N, ...``), so the CPU work spreads over cores; see
-:mod:`asynccache.cli.warm_share` for what a worker does and why its values are exactly
+`asynccache.cli.warm_share` for what a worker does and why its values are exactly
 what ``AsyncKVCacheMapDataPipe(dataset, client, namespace=NS)`` reads.
 
 Resumable: keys already in the store are skipped without being computed, so an
@@ -14,7 +14,9 @@ interrupted run (Ctrl-C, a crash, an expired TTL) is finished by running it agai
 check transfers no values (a few bytes per key: ``EXISTS``/``STRLEN``, memcached
 ``mg``), so resuming over a 140 GB namespace does not download it; ``--verify`` reads
 and decodes them instead.
-Progress goes to stderr (tqdm when installed, else a counter); never with ``--json``.
+Progress goes to stderr (tqdm when installed, else a counter; `asynccache.cli.progress`);
+never with ``--json``. Workers do not print: they send their messages to this process,
+which writes them above the bar, each on a line of its own.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from ._common import (
     positive_int,
     store_url,
 )
+from .progress import Progress
 from .warm_share import (
     COMPUTED,
     FAILED,
@@ -143,65 +146,43 @@ class _Outcome:
 
 
 def _run_workers(job: WarmJob, total: int, *, show: bool) -> _Outcome:
-    """Start the workers, show their progress until all exited, sum their counts."""
+    """Start the workers, show their progress and messages until all exited, sum their
+    counts."""
     ctx = multiprocessing.get_context()
     progress = ctx.Array("q", SLOTS * job.workers, lock=False)
-    workers = [ctx.Process(target=run_share, args=(job, w, progress),
+    messages = ctx.SimpleQueue()
+    workers = [ctx.Process(target=run_share, args=(job, w, progress, messages),
                            name=f"asynccache-warm-{w}") for w in range(job.workers)]
-    bar = _Progress(total, show)
     interrupted = False
-    try:
+    with Progress(total, "warm", unit="item", enabled=show) as bar:
+        done = 0
+
+        def look() -> None:
+            nonlocal done
+            while not messages.empty():
+                bar.write(f"asynccache warm: {messages.get()}", file=sys.stderr)
+            now = sum(progress)
+            bar.update(now - done)
+            done = now
+
+        try:
+            for worker in workers:
+                worker.start()
+            while any(worker.is_alive() for worker in workers):
+                look()
+                time.sleep(POLL)
+        except KeyboardInterrupt:  # the workers got the same SIGINT: wait for them to stop
+            interrupted = True
+            for worker in workers:
+                worker.join(5)
+                if worker.is_alive():
+                    worker.terminate()
         for worker in workers:
-            worker.start()
-        while any(worker.is_alive() for worker in workers):
-            bar.update(sum(progress))
-            time.sleep(POLL)
-    except KeyboardInterrupt:  # the workers got the same SIGINT: wait for them to stop
-        interrupted = True
-        for worker in workers:
-            worker.join(5)
-            if worker.is_alive():
-                worker.terminate()
-    for worker in workers:
-        worker.join()
-    bar.update(sum(progress))
-    bar.close()
+            worker.join()
+        look()
+    messages.close()
     counts = {name: sum(progress[w * SLOTS + slot] for w in range(job.workers))
               for name, slot in (("computed", COMPUTED), ("skipped", SKIPPED),
                                  ("failed", FAILED))}
     worker_failed = any(worker.exitcode not in (0, None) for worker in workers)
     return _Outcome(counts, worker_failed and not interrupted, interrupted)
-
-
-class _Progress:
-    """tqdm on stderr when installed, else a counter rewritten in place; or nothing."""
-
-    def __init__(self, total: int, show: bool) -> None:
-        self.total = total
-        self.show = show
-        self.done = 0
-        self.last_print = 0.0
-        self.bar: Any = None
-        if show:
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                return
-            self.bar = tqdm(total=total, unit="item", file=sys.stderr, desc="warm")
-
-    def update(self, done: int) -> None:
-        if not self.show or done == self.done:
-            return
-        if self.bar is not None:
-            self.bar.update(done - self.done)
-        elif time.monotonic() - self.last_print > 0.5 or done == self.total:
-            self.last_print = time.monotonic()
-            sys.stderr.write(f"\rwarm: {done:,}/{self.total:,} items")
-            sys.stderr.flush()
-        self.done = done
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        elif self.show and self.done:
-            sys.stderr.write("\n")

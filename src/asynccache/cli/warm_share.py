@@ -83,20 +83,23 @@ def indices_of(dataset: Any) -> Sequence[Any]:
     return list(mapping.keys()) if mapping is not None else range(len(dataset))
 
 
-def run_share(job: WarmJob, worker: int, progress: Any) -> None:
-    """Process entry point: the items ``worker::workers`` of the dataset. Exits with 1
-    when the store failed (the rest of the share is then counted as failed)."""
+def run_share(job: WarmJob, worker: int, progress: Any, messages: Any) -> None:
+    """Process entry point: the items ``worker::workers`` of the dataset. Counts go to
+    ``progress`` (a shared array), messages to ``messages`` (a queue the parent writes
+    out above its progress bar). Exits with 1 when the store failed (the rest of the
+    share is then counted as failed)."""
     try:
         dataset = load_dataset(job.dataset)
         share = indices_of(dataset)[worker::job.workers]
-        ok = asyncio.run(_Share(job, dataset, progress, worker * SLOTS).fill(share))
+        ok = asyncio.run(_Share(job, dataset, progress, worker * SLOTS, messages).fill(share))
     except KeyboardInterrupt:
         sys.exit(130)
     sys.exit(0 if ok else 1)
 
 
 class _Share:
-    def __init__(self, job: WarmJob, dataset: Any, progress: Any, slot: int) -> None:
+    def __init__(self, job: WarmJob, dataset: Any, progress: Any, slot: int,
+                 messages: Any) -> None:
         options = {} if job.timeout is None else {"timeout": job.timeout,
                                                   "connect_timeout": job.timeout}
         self.client = connect(job.url, **options)
@@ -107,6 +110,7 @@ class _Share:
         self.verify = job.verify
         self.progress = progress
         self.slot = slot
+        self.messages = messages
         self.reported = 0
 
     def count(self, which: int, n: int) -> None:
@@ -116,7 +120,7 @@ class _Share:
     def complain(self, message: str) -> None:
         self.reported += 1
         if self.reported <= MAX_REPORTED:
-            print(f"asynccache warm: {message}", file=sys.stderr, flush=True)
+            self.messages.put(message)
 
     async def fill(self, share: Sequence[Any]) -> bool:
         writing: asyncio.Task[None] | None = None
