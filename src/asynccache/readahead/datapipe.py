@@ -149,7 +149,7 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
 
     Args:
         source: the map-style dataset (or ``MapDataPipe``) whose items are cached.
-        client: a store client from :func:`asynccache.connect`: picklable configuration,
+        client: a store client from `asynccache.connect()`: picklable configuration,
             it connects lazily in each process (DataLoader workers included).
         prefetch: upcoming indices read ahead per reading thread (per node of a pool or
             cluster); grown up to 4x for small values, bounded by ``prefetch_bytes``;
@@ -259,7 +259,7 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
 
     def key_for(self, index: Any) -> bytes:
         """The store key of ``index``: ``b"ac:" + namespace + b":" + str(index)`` for an
-        int; other keys by the encoding of :mod:`asynccache.cache.keys`."""
+        int; other keys by the documented key encoding (docs/design.md, "Keys")."""
         return self.keyspace.key(index)
 
     def _normalize(self, index: Any) -> Any:
@@ -435,7 +435,9 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         In the process that built the pipe: the sum over every copy of it — this
         process's and those of DataLoader workers, as of their last report (at most about
         a second old; final once they exited). In a worker: that worker's own.
-        ``per_process=True``: ``{pid: counters}`` instead of the sum.
+
+        Args:
+            per_process: ``{pid: counters}`` instead of the sum.
         """
         local = self._local_stats() if self._closed is None else dict(self._closed)
         if per_process:
@@ -444,9 +446,11 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
 
     def latency(self, per_process: bool = False) -> Any:
         """Durations of this pipe's store requests, ``{"read": Latency, "write": Latency}``
-        (see :meth:`AsyncKVCache.latency <asynccache.cache.core.AsyncKVCache.latency>`), summed
-        over the processes of the job like :meth:`stats`; ``per_process=True``:
-        ``{pid: {kind: Latency}}``."""
+        (see `AsyncKVCache.latency()`), summed over the processes of the job like `stats()`.
+
+        Args:
+            per_process: ``{pid: {kind: Latency}}`` instead of the sum.
+        """
         return self._reports.latency(self._rt, per_process)
 
     def _local_stats(self) -> dict[str, int]:
@@ -457,7 +461,8 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         return rt.stats()
 
     def flush(self, timeout: float = CLOSE_TIMEOUT) -> None:
-        """Wait until pending write-behind entries are in the store (bounded)."""
+        """Wait until pending write-behind entries are in the store (at most ``timeout``
+        seconds)."""
         rt = self._rt
         if rt is not None:
             rt.flush(timeout)
@@ -466,8 +471,11 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         """Flush pending writes, then close this process's connections (bounded).
 
         The client stays usable (it reconnects lazily); the pipe does not: a read after
-        close() raises :class:`~asynccache.errors.ClosedError`. ``stats()`` keeps
-        answering with the final counters. Closing twice does nothing.
+        close() raises `ClosedError`. ``stats()`` keeps answering with the final counters.
+        Closing twice does nothing.
+
+        Args:
+            timeout: seconds the flush may take.
         """
         if self._closed is not None:
             return

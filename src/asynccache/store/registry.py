@@ -55,8 +55,16 @@ def _checked(scheme: object) -> str:
 def register_scheme(scheme: str, factory: Factory, *, replace: bool = False) -> None:
     """Make ``connect("scheme://...", **options)`` call ``factory(url, **options)``.
 
-    ``replace=True`` is needed to take over a scheme that is already known (built-in or
-    registered earlier in this process).
+    Args:
+        scheme: the URL scheme (a letter, then letters, digits, ``+``, ``-``, ``.``).
+        factory: ``factory(url, **options)`` returns the client, e.g. a
+            `Provider` subclass's ``from_url``.
+        replace: take over a scheme that is already known (built-in or registered
+            earlier in this process).
+
+    Raises:
+        ConfigError: the scheme is not a URL scheme, the factory is not callable, or the
+            scheme is taken and ``replace`` is not given.
     """
     name = _checked(scheme)
     if not callable(factory):
@@ -72,7 +80,7 @@ def register_scheme(scheme: str, factory: Factory, *, replace: bool = False) -> 
 
 
 def unregister_scheme(scheme: str) -> None:
-    """Forget a scheme registered with :func:`register_scheme` (built-ins come back)."""
+    """Forget a scheme registered with `register_scheme()` (built-ins come back)."""
     with _lock:
         _registered.pop(_checked(scheme), None)
 

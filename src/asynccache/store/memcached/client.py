@@ -98,7 +98,17 @@ class MemcachedClient(BaseClient[_MemcachedState]):
         tls: TlsSettings | None = None,
         **options: Any,
     ) -> None:
-        """``tls``: TLS to every server (memcached's ``-Z``), the same settings for all."""
+        """The servers, and how to reach them.
+
+        Args:
+            servers: ``(host, port)`` of each server; keys are spread over them by
+                rendezvous hashing.
+            item_size: the servers' ``-I`` (largest item), in bytes: larger values are
+                chunked.
+            tls: TLS to every server (memcached's ``-Z``), the same settings for all.
+            **options: `BaseClient`'s: ``timeout``, ``connect_timeout``, ``max_batch``
+                (default 128).
+        """
         options.setdefault("max_batch", 128)
         super().__init__(**options)
         if not servers:
@@ -290,7 +300,7 @@ class MemcachedClient(BaseClient[_MemcachedState]):
         value sizes (``mg key s``, pipelined; a key gone meanwhile is left out).
 
         Keys are yielded as the server holds them: a key memcached could not take
-        verbatim is in its digest form (see :func:`safe_memcached_key`), found through
+        verbatim is in its digest form (see `safe_memcached_key()`), found through
         its namespace prefix, and maps to itself when passed back to ``delete_many``."""
         starts = (prefix, hashed_prefix(prefix))
         for index in range(len(self.servers)):
@@ -355,7 +365,7 @@ class MemcachedClient(BaseClient[_MemcachedState]):
         return sizes
 
     async def add_many(self, entries: Mapping[bytes, bytes], ttl: float) -> list[bool]:
-        """memcached ``add`` per key, expiring by :func:`_exptime` (a lease that ended
+        """memcached ``add`` per key, expiring by `_exptime()` (a lease that ended
         early would let another process compute what this one is computing)."""
         nodes = self._state().nodes
         exptime = _exptime(ttl)
