@@ -45,7 +45,7 @@ class Counters:
     def shard(self) -> dict[str, int]:
         """This thread's counters (created on its first use). Only this thread writes it."""
         try:
-            return self._local.shard  # type: ignore[no-any-return]
+            return self._local.shard
         except AttributeError:
             shard = dict.fromkeys(self.names, 0)
             self._local.shard = shard

@@ -11,7 +11,7 @@ import secrets
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import _fork
 from .._fork import park_inherited
@@ -28,12 +28,18 @@ from .prefetch import Prefetcher
 from .runtime import ProcessRuntime, Reports
 from .window import DEFAULT_PREFETCH_BYTES
 
-try:  # torch is optional: without it the class is a plain map-style wrapper
-    from torch.utils.data import MapDataPipe as _Base
+if TYPE_CHECKING:  # the checker sees torch's generic base; torch is optional at run time
+    from torch.utils.data import MapDataPipe
     from torch.utils.data import functional_datapipe as _functional_datapipe
-except ImportError:  # pragma: no cover - exercised only where torch is absent
-    _Base = object  # type: ignore[assignment,misc]
-    _functional_datapipe = None
+
+    _Base = MapDataPipe[Any]
+else:
+    try:  # torch is optional: without it the class is a plain map-style wrapper
+        from torch.utils.data import MapDataPipe as _Base
+        from torch.utils.data import functional_datapipe as _functional_datapipe
+    except ImportError:  # pragma: no cover - exercised only where torch is absent
+        _Base = object
+        _functional_datapipe = None
 
 __all__ = ["AsyncKVCacheMapDataPipe"]
 
@@ -137,7 +143,7 @@ class PipeRuntime(ProcessRuntime):
         self.finish(close=True, timeout=timeout, readers=[p.reader for p in prefetchers])
 
 
-class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
+class AsyncKVCacheMapDataPipe(_Base):
     """Caches a map-style dataset in a shared key-value store, with batched read-ahead
     (functional name: ``async_kv_cache``).
 
@@ -527,7 +533,8 @@ def _forward_getitems_through_dataloader_wrapper() -> None:
         getitems = getattr(type(self._datapipe), "__getitems__", None)
         if getitems is None:
             return [self._datapipe[i] for i in indices]
-        return getitems(self._datapipe, indices)
+        batch: list[Any] = getitems(self._datapipe, indices)
+        return batch
 
     _MapDataPipeSerializationWrapper.__getitems__ = __getitems__  # type: ignore[attr-defined]
 

@@ -12,7 +12,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, TypeVar
 
 from torch.utils.data import IterableDataset, get_worker_info
@@ -123,7 +123,8 @@ def _map_only(map_fn: Callable[[Any], Any], item: Any) -> Any:
     return map_fn(item)
 
 
-class CachedMapper(BaseNode[T]):
+# torchdata ships no type information (no py.typed, no stubs): BaseNode is Any to mypy
+class CachedMapper(BaseNode[T]):  # type: ignore[misc]
     """Yields ``map_fn(item)`` for each item of ``source``, cached in a shared store.
 
     Args:
@@ -482,7 +483,7 @@ class CachedMapper(BaseNode[T]):
                 f"prefetch={self.prefetch}, namespace={self.namespace!r})")
 
 
-class NodeIterable(IterableDataset):  # type: ignore[misc]
+class NodeIterable(IterableDataset[Any]):
     """A node as a stateful ``IterableDataset``, for ``DataLoader`` and
     ``StatefulDataLoader`` (with workers too).
 
@@ -510,11 +511,12 @@ class NodeIterable(IterableDataset):  # type: ignore[misc]
                 self._state = None
         return self._loader
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[Any]:
         yield from self._current()
 
     def state_dict(self) -> dict[str, Any]:
-        return self._current().state_dict()
+        state: dict[str, Any] = self._current().state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._state = state_dict

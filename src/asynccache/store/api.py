@@ -338,7 +338,7 @@ class BaseClient(ABC, Generic[StateT]):
         result = await self.read(keys)
         for error in result.failures.values():
             raise error
-        return result.values  # type: ignore[no-any-return]
+        return result.values
 
     async def set_many(self, mapping: Mapping[bytes, bytes], ttl: float | None = None) -> None:
         """Store every pair; ``ttl`` in seconds (``None``: no expiry); raises the first

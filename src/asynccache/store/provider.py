@@ -10,7 +10,7 @@ import functools
 import inspect
 import sys
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, ClassVar, TypeVar
 from urllib.parse import parse_qsl
 
@@ -315,11 +315,12 @@ def _scan_page(self: Provider, prefix: bytes, page: Any) -> list[tuple[bytes, in
     return pairs
 
 
-def _guard_scan(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+def _guard_scan(fn: Callable[..., AsyncGenerator[Any, None]]
+                ) -> Callable[..., AsyncGenerator[Any, None]]:
     signature = inspect.signature(fn)
 
     @functools.wraps(fn)
-    async def guarded(self: Provider, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+    async def guarded(self: Provider, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
         prefix = bytes(signature.bind(self, *args, **kwargs).arguments["prefix"])
         inner = fn(self, *args, **kwargs)
         try:

@@ -153,20 +153,20 @@ def _from_entry_point(name: str) -> Factory | None:
             f"asynccache.register_scheme({name!r}, factory)")
     (ep,) = offers
     try:
-        factory = ep.load()
+        loaded: object = ep.load()
     except Exception as exc:
         raise ConfigError(
             f"the URL scheme {name!r} comes from {_dist(ep)}, whose {ENTRY_POINT_GROUP} entry "
             f"point {ep.name} = {ep.value!r} cannot be loaded ({type(exc).__name__}: {exc}); "
             f"reinstall or upgrade {_dist_name(ep)}, or uninstall it") from exc
-    if not callable(factory):
+    if not callable(loaded):
         raise ConfigError(
             f"the URL scheme {name!r} comes from {_dist(ep)}, whose {ENTRY_POINT_GROUP} entry "
-            f"point {ep.value!r} is a {type(factory).__name__}, not a factory "
+            f"point {ep.value!r} is a {type(loaded).__name__}, not a factory "
             f"(factory(url, **options) -> client); report it to {_dist_name(ep)}")
     with _lock:
-        _loaded[name] = factory
-    return factory
+        _loaded[name] = loaded
+    return loaded
 
 
 def _dist_name(ep: metadata.EntryPoint) -> str:

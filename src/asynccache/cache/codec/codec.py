@@ -364,8 +364,8 @@ class Codec:
                 flags |= KIND_BITS[self._kind]
         if self._signer is not None:
             fixed = FIXED.pack(MAGIC, VERSION, flags | F_MAC)
-            tag = self._signer.sign([mac_prefix(key, fixed), *parts])
-            return b"".join([fixed, tag, *parts])
+            mac = self._signer.sign([mac_prefix(key, fixed), *parts])
+            return b"".join([fixed, mac, *parts])
         if self.checksum:
             hasher = xxh3_64(seed=xxh3_64_intdigest(key, FLAG_SEEDS[flags]))
             for part in parts:  # one pass over the payload, no concatenation
@@ -465,7 +465,9 @@ class Codec:
                     return pickle.loads(payload)
                 except Exception as exc:
                     raise unpickle_error(exc) from exc
-            if prefix == self._hot_signed:  # as _decode, without its general cases
+            # as _decode, without its general cases (with no signer _hot_signed is b"",
+            # which no prefix equals)
+            if prefix == self._hot_signed and self._signer is not None:
                 payload = data[SIGNED_HEADER_SIZE:]
                 mac_input = mac_prefix(key, prefix) + payload  # small: one hash update
                 if not self._signer.verify([mac_input], data[FIXED.size : SIGNED_HEADER_SIZE]):
@@ -565,7 +567,7 @@ class Codec:
             raise unpickle_error(exc) from exc
 
 
-def _byte_view(data: bytearray | memoryview) -> memoryview:
+def _byte_view(data: bytes | bytearray | memoryview) -> memoryview:
     mv = memoryview(data)
     if mv.ndim != 1 or mv.itemsize != 1:
         try:

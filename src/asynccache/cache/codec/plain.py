@@ -193,7 +193,7 @@ class _Writer:
         code = _torch_tables()[1].get(t.dtype)
         if code is None and fix is None:
             fix = "value.to(torch.float32) or another supported dtype"
-        if fix is not None:
+        if fix is not None or code is None:  # (code is None: fix was set just above)
             raise _unsupported(t, f"plain CPU tensors only: convert with {fix}")
         if self.np is None:
             try:

@@ -93,8 +93,8 @@ class _Call(ABC):
     def fail(self, node: NodeName, error: StoreError, commands: Sequence[Command] | int) -> None:
         """``node`` failed for ``commands`` (or that many keys)."""
         self.failures.setdefault(node, error)
-        self.failed_keys += (commands if type(commands) is int
-                             else sum(len(c.positions) for c in commands))  # type: ignore[union-attr]
+        self.failed_keys += (commands if isinstance(commands, int)
+                             else sum(len(c.positions) for c in commands))
         if isinstance(error, StoreUnavailable | StoreTimeout):
             self.refresh_soon = True
 
@@ -281,7 +281,7 @@ class Read(_Call):
             else:
                 commands += [Command(slot, chunk, [pack_mget([keys[p] for p in chunk])])
                              for chunk in chunked(at, self.client.max_batch)]
-        return commands, b"".join([c.request[0] for c in commands]), len(commands)  # type: ignore[misc]
+        return commands, b"".join([c.request[0] for c in commands]), len(commands)
 
     def _scatter(self, target: Target, keys: Sequence[bytes], slots: list[int],
                  positions: list[int], commands: list[Command] | None, replies: list[Any],

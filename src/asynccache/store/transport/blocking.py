@@ -91,7 +91,7 @@ class BlockingConnection(ConsumerConnection):
         self.pending.popleft()
         self._may_retry = False
         self._answered = True
-        return reply  # type: ignore[no-any-return]
+        return reply
 
     def _sent(self, request: Request) -> None:
         """``request`` is about to be written (again, after a reconnect)."""
