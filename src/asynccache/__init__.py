@@ -1,15 +1,17 @@
 """asynccache: an async key-value cache client with batched prefetching.
 
 A shared remote store (Redis/Valkey, memcached, Redis Cluster) in place of the per-worker
-dict cache of PyTorch pipelines, without a network round trip per item::
+dict cache of PyTorch pipelines, without a network round trip per item:
 
-    import asynccache as ac
+```python
+import asynccache as ac
 
-    client = ac.connect("redis://127.0.0.1:6379/0")
-    dp = SequenceWrapper(items).map(expensive).async_kv_cache(client, prefetch=64)
+client = ac.connect("redis://127.0.0.1:6379/0")
+dp = SequenceWrapper(items).map(expensive).async_kv_cache(client, prefetch=64)
 
-    async with ac.AsyncKVCache(client, namespace="svc-v1") as cache:
-        hits = await cache.get_many(["a", "b"])
+async with ac.AsyncKVCache(client, namespace="svc-v1") as cache:
+    hits = await cache.get_many(["a", "b"])
+```
 
 ``import asynccache`` imports neither torch nor numpy. ``async_kv_cache`` is on
 ``torch.utils.data.MapDataPipe`` whenever both packages are imported, in either order;

@@ -4,8 +4,8 @@ Per-process state (a loop thread, a client's connections, a pipe's runtime) reme
 ``_fork.generation`` when it is made; a forked child has a higher one, so a saved value
 that differs means "made by an ancestor: do not use it" (a comparison of two ints on the
 hot path; ``os.getpid()`` is a system call). The child parks what it inherited here
-(:func:`park_inherited`, never touched nor freed) and builds its own. Locks that another
-thread may have held at the fork are replaced through :func:`at_fork`, the one place
+(`park_inherited()`, never touched nor freed) and builds its own. Locks that another
+thread may have held at the fork are replaced through `at_fork()`, the one place
 that registers with ``os.register_at_fork``.
 
 Process *identity* is another matter: the owner of a stats board, the holder of a lease

@@ -1,28 +1,30 @@
 """The exceptions asynccache raises.
 
-Every exception that crosses the public API derives from :class:`CacheError`, so
+Every exception that crosses the public API derives from `CacheError`, so
 ``except ac.CacheError`` is enough. Foreign exceptions (redis-py's, hiredis',
 pickle's, OS errors) are translated at the boundary with ``raise ... from exc``:
 redis-py's ``ConnectionError``/``TimeoutError`` shadow the builtins and never escape.
 
-    CacheError
-    ├── ConfigError            a setting the user must fix
-    │   ├── InvalidURL         connect() could not parse the URL
-    │   ├── KeyTooLong         namespace + key longer than the store accepts
-    │   ├── KeyEncodingError   a key of a type the documented key encoding does not cover
-    │   ├── MissingDependency  an optional package (torch, zstandard, ...) is needed
-    │   └── Unsupported        the store cannot do what was asked (e.g. list its keys)
-    ├── EncodeError            the value cannot be serialised (unpicklable, too large)
-    │   └── ValueTooLarge      larger than the store allows and chunking is off
-    ├── DecodeError            bytes under a key are not a value asynccache wrote for that key
-    │   ├── FormatMismatch     a value of another asynccache format version: a plain miss
-    │   └── SignatureError     not signed by any secret of a Codec(secret=...): a forgery
-    ├── ClosedError            a pipe, node or cache used after close()
-    ├── StoreError             the store failed: the core turns these into misses
-    │   ├── StoreUnavailable   connection refused / reset / closed
-    │   ├── StoreTimeout       no answer within the configured timeout
-    │   └── StoreRejected      the store refused one value (too large for it, out of memory)
-    └── LoopError              the sync API was called from its own loop thread
+```text
+CacheError
+├── ConfigError            a setting the user must fix
+│   ├── InvalidURL         connect() could not parse the URL
+│   ├── KeyTooLong         namespace + key longer than the store accepts
+│   ├── KeyEncodingError   a key of a type the documented key encoding does not cover
+│   ├── MissingDependency  an optional package (torch, zstandard, ...) is needed
+│   └── Unsupported        the store cannot do what was asked (e.g. list its keys)
+├── EncodeError            the value cannot be serialised (unpicklable, too large)
+│   └── ValueTooLarge      larger than the store allows and chunking is off
+├── DecodeError            bytes under a key are not a value asynccache wrote for that key
+│   ├── FormatMismatch     a value of another asynccache format version: a plain miss
+│   └── SignatureError     not signed by any secret of a Codec(secret=...): a forgery
+├── ClosedError            a pipe, node or cache used after close()
+├── StoreError             the store failed: the core turns these into misses
+│   ├── StoreUnavailable   connection refused / reset / closed
+│   ├── StoreTimeout       no answer within the configured timeout
+│   └── StoreRejected      the store refused one value (too large for it, out of memory)
+└── LoopError              the sync API was called from its own loop thread
+```
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Prometheus metrics of caches, pipes and nodes (``pip install 'asynccache[metrics]'``).
 
-::
+```python
+from prometheus_client import start_http_server
+from asynccache.metrics import CacheCollector
 
-    from prometheus_client import start_http_server
-    from asynccache.metrics import CacheCollector
-
-    CacheCollector(dp)          # registered in prometheus_client's default registry
-    start_http_server(9100)
+CacheCollector(dp)          # registered in prometheus_client's default registry
+start_http_server(9100)
+```
 
 The collector reads ``stats()`` and ``latency()`` at scrape time: it adds nothing to the
 read path. For a pipe or node that is the sum over every process of the job, the
@@ -28,7 +28,7 @@ password masked; objects with the same labels are summed):
 * histogram ``asynccache_request_duration_seconds{kind="read"|"write"}``: one
   observation per store request (a multi-get or a write batch), never per item.
 
-:func:`log_summary` needs no Prometheus.
+`log_summary()` needs no Prometheus.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``CachedMapper``: the cache as a ``torchdata.nodes`` node (public path; the code is in
-:mod:`asynccache.readahead.nodes`). Importing it imports torch and torchdata."""
+`asynccache.readahead.nodes`). Importing it imports torch and torchdata."""
 
 from .readahead.nodes import CachedMapper, NodeIterable
 

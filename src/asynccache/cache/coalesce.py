@@ -15,7 +15,7 @@ from .markers import MISSING, Failed
 
 __all__ = ["Coalescer", "Shared"]
 
-#: ``read(store_keys)``: a value (or ``MISSING`` / :class:`Failed`) per key
+#: ``read(store_keys)``: a value (or ``MISSING`` / `Failed`) per key
 Read = Callable[[Sequence[bytes]], Awaitable[list[Any]]]
 #: ``copy_of(store_key, value)``: an object of its own with ``value``'s content
 CopyOf = Callable[[bytes, Any], Any]

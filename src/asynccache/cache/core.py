@@ -1,12 +1,10 @@
 """``AsyncKVCache``: the async core every integration stands on, in one event loop.
 
-It holds a cache's settings and parts, and delegates: store keys to its
-:class:`~asynccache.cache.keys.Keyspace`, reads to :class:`~asynccache.cache.reads.ReadPath`,
-writes to :class:`~asynccache.cache.writes.Writer` (and its one queue), leases to
-:class:`~asynccache.cache.leases.Leases`, concurrent callers to
-:mod:`~asynccache.cache.coalesce`, every store failure to the one
-:class:`~asynccache.cache.health.FailurePolicy`. Its parts may be used from any thread
-where they say so (decoding, encoding, counters); the async methods run in one loop.
+It holds a cache's settings and parts, and delegates: store keys to its `Keyspace`, reads to
+`ReadPath`, writes to `Writer` (and its one queue), leases to `Leases`, concurrent callers
+to `coalesce`, every store failure to the one `FailurePolicy`. Its parts may be used from
+any thread where they say so (decoding, encoding, counters); the async methods run in one
+loop.
 """
 
 from __future__ import annotations
@@ -56,19 +54,34 @@ def check_settings(client: Any, on_error: Any, lease: Any, l1_bytes: Any) -> Non
 class AsyncKVCache:
     """Object cache over a byte store client, for use inside one event loop.
 
-    ``ttl`` is in seconds (``None``: no expiry). ``max_key_size`` bounds the store key
-    (namespace + key) in bytes. ``max_in_flight`` bounds concurrent store reads.
-    ``max_pending_writes`` bounds the write-behind queue: when the store cannot keep
-    up, the oldest pending writes are dropped (and counted) instead of growing memory.
+    With ``lease``, the first process to miss a key takes a short lease on it in the
+    store (Redis ``SET NX PX``, memcached ``add``, for a whole batch in one round trip),
+    computes and writes it; the others wait for its value (polling, at most ``lease``
+    seconds) instead of computing it again. A holder that dies lets its lease expire and
+    the next waiter takes it. Hits cost nothing extra; store trouble during any of it
+    means "compute here". A lease must outlast what it covers: one compute here, and in
+    a pipe a whole batch's misses (computed one after another, then written together).
 
-    ``lease`` (seconds, off by default): on a miss, the first process to miss a key
-    takes a short lease on it in the store (Redis ``SET NX PX``, memcached ``add``, for a
-    whole batch in one round trip), computes and writes it; the others wait for its
-    value (polling, at most ``lease`` seconds) instead of computing it again. A holder
-    that dies lets its lease expire and the next waiter takes it. Hits cost nothing
-    extra; store trouble during any of it means "compute here". A lease must outlast
-    what it covers: one compute here, and in a pipe a whole batch's misses (computed
-    one after another, then written together).
+    Args:
+        client: a store client from `asynccache.connect()`.
+        namespace: the versioned name values are stored under (``"svc-v1"``), to reuse
+            them across runs and jobs. Without one the cache gets a namespace of its own,
+            whose values expire after a day.
+        ttl: seconds (or a ``datetime.timedelta``) values live in the store; ``None``:
+            no expiry (an unnamed namespace: a day).
+        codec: how values become bytes (default ``Codec()``).
+        on_error: ``"fallback"`` (default: a store failure is a counted miss, logged
+            once) or ``"raise"``.
+        chunking: split values larger than the store's item size into chunks (off: such
+            a value is a ``ValueTooLarge``).
+        max_key_size: bound on the store key (namespace + key), in bytes.
+        max_in_flight: bound on concurrent store reads.
+        max_pending_writes: bound on the write-behind queue: when the store cannot keep
+            up, the oldest pending writes are dropped (and counted) instead of growing
+            memory.
+        lease: seconds (off by default): see above.
+        l1_bytes: an in-process LRU of this many bytes of encoded values in front of the
+            store (hits counted as ``l1_hits``).
     """
 
     def __init__(
@@ -143,7 +156,7 @@ class AsyncKVCache:
     async def aclose(self) -> None:
         """Flush pending writes and release the client; its connections in this loop
         close when no other cache or pipe still uses them. The cache is then closed: using
-        it raises :class:`~asynccache.errors.ClosedError` (``stats()`` still answers);
+        it raises `ClosedError` (``stats()`` still answers);
         closing twice does nothing."""
         if self._closed:
             return
@@ -153,7 +166,7 @@ class AsyncKVCache:
 
     # -- keys -----------------------------------------------------------------------------
     def key(self, key: Key) -> bytes:
-        """The store key for ``key`` (see :mod:`asynccache.cache.keys` for the scheme)."""
+        """The store key for ``key`` (see `asynccache.cache.keys` for the scheme)."""
         return self.keyspace.key(key)
 
     def _ttl(self, ttl: Any) -> float | None:
@@ -162,7 +175,7 @@ class AsyncKVCache:
 
     # -- reads ------------------------------------------------------------------------------
     async def _read(self, store_keys: Sequence[bytes]) -> list[Any]:
-        """What callers get for ``store_keys``: values, ``MISSING``, :class:`Failed`."""
+        """What callers get for ``store_keys``: values, ``MISSING``, `Failed`."""
         return self.reads.outcomes(*await self.reads.values(store_keys))
 
     async def get_many(self, keys: Iterable[Key]) -> dict[Key, Any]:
@@ -184,18 +197,23 @@ class AsyncKVCache:
 
     # -- writes -----------------------------------------------------------------------------
     async def set_many(self, mapping: Mapping[Key, Any], ttl: Any = MISSING) -> None:
-        """Store every pair now (``ttl``: seconds or a timedelta, ``None`` for none,
-        default the cache's)."""
+        """Store every pair now.
+
+        Args:
+            mapping: ``{key: value}``; each value is encoded by the cache's codec.
+            ttl: seconds or a ``datetime.timedelta``, ``None`` for no expiry; default
+                the cache's.
+        """
         ttl = self._ttl(ttl)
         entries = self.writer.encode_entries({self.key(k): v for k, v in mapping.items()})
         await self.write_entries(entries, ttl)
 
     async def set(self, key: Key, value: Any, ttl: Any = MISSING) -> None:
+        """Store one value now (``ttl`` as for `set_many()`)."""
         await self.set_many({key: value}, ttl)
 
     async def write_entries(self, entries: Mapping[bytes, bytes], ttl: Any = MISSING) -> bool:
-        """Write encoded entries now (see :meth:`Writer.write_entries
-        <asynccache.cache.writes.Writer.write_entries>`)."""
+        """Write encoded entries now (see `Writer.write_entries()`)."""
         if self._closed:
             self._refuse()
         return await self.writer.write_entries(entries, self._ttl(ttl))
@@ -206,6 +224,7 @@ class AsyncKVCache:
             await self.writer.flush()
 
     async def delete_many(self, keys: Iterable[Key]) -> None:
+        """Remove ``keys`` from the store; missing keys are ignored."""
         if self._closed:
             self._refuse()
         store_keys = [self.key(k) for k in keys]
@@ -217,15 +236,21 @@ class AsyncKVCache:
                 raise
 
     async def delete(self, key: Key) -> None:
+        """Remove one key from the store."""
         await self.delete_many([key])
 
     # -- computing --------------------------------------------------------------------------
     async def get_or_compute(self, key: Key, compute: Callable[[], Any],
                              ttl: Any = MISSING) -> Any:
-        """The cached value, or ``compute()`` (sync or async) stored and returned.
+        """The cached value, or ``compute()`` stored and returned.
 
         Concurrent calls for the same key in this loop compute once; with ``lease``, so
         do calls in other processes. Every caller gets an object of its own.
+
+        Args:
+            key: the cache key.
+            compute: called with no arguments on a miss; sync or async.
+            ttl: as for `set_many()`.
         """
         ttl = self._ttl(ttl)
         value = await self.get(key, MISSING)
@@ -260,11 +285,18 @@ class AsyncKVCache:
     def cached(self, fn: Callable[..., Any] | None = None, *, ttl: Any = MISSING,
                key: Callable[..., Any] | None = None) -> Any:
         """Decorator: cache what an async function returns, ``@cache.cached(ttl=60)``
-        (or bare ``@cache.cached``). The key is the function's qualified name and its
-        arguments (defaults applied) under the documented key encoding, or
-        ``key(*args, **kwargs)``; concurrent calls with the same arguments compute once
-        and each caller gets an object of its own. A plain function works too (the
-        wrapper is async). See :mod:`asynccache.cache.decorator`."""
+        (or bare ``@cache.cached``).
+
+        Concurrent calls with the same arguments compute once and each caller gets an
+        object of its own. A plain function works too (the wrapper is async).
+
+        Args:
+            fn: the function (given when used bare, ``@cache.cached``).
+            ttl: as for `set_many()`.
+            key: ``key(*args, **kwargs)`` returns a call's key; default: the function's
+                module and qualified name and its arguments (defaults applied) under the
+                documented key encoding (a first ``self`` or ``cls`` left out).
+        """
         from .decorator import cached
 
         if fn is None:
@@ -279,7 +311,7 @@ class AsyncKVCache:
     def latency(self) -> dict[str, Latency]:
         """Durations of store requests, ``{"read": Latency, "write": Latency}``: one
         record per multi-get or write request (its wait for a free in-flight slot not
-        included), in the fixed buckets of :mod:`asynccache.observe.histogram`. Requests
+        included), in the fixed buckets of `asynccache.observe.histogram`. Requests
         that failed count too (a timeout took its time); requests never sent (every node
         backing off) do not."""
         return self.histograms.snapshot()

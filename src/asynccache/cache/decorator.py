@@ -3,12 +3,12 @@
 The key of a call is the function's module and qualified name plus its arguments, bound
 to its signature (positional or keyword, defaults applied, so ``f(1)``, ``f(x=1)`` and
 ``f(1, lang="en")`` with ``lang="en"`` the default are one key), under the documented
-key encoding of :mod:`asynccache.cache.keys`. A first parameter named ``self`` or ``cls`` is
+key encoding of `asynccache.cache.keys`. A first parameter named ``self`` or ``cls`` is
 left out: the instances of a service class share entries. ``key=callable`` replaces
 the rule: it gets the call's arguments and returns a key.
 
 Concurrent calls with the same arguments compute once (the coalescing of
-:meth:`~asynccache.cache.core.AsyncKVCache.get_or_compute`; with ``lease=`` on the cache,
+`AsyncKVCache.get_or_compute()`; with ``lease=`` on the cache,
 once across processes too), and every caller gets an object of its own.
 """
 

@@ -1,8 +1,8 @@
 """The one TTL rule, for every call and every store.
 
-``ttl`` is a number of seconds (``int`` or ``float``) or a :class:`datetime.timedelta`;
+``ttl`` is a number of seconds (``int`` or ``float``) or a `datetime.timedelta`;
 ``None`` means no expiry. Zero, negative, NaN and infinite values are a
-:class:`~asynccache.errors.ConfigError` wherever a ttl is accepted (the constructor, each
+`ConfigError` wherever a ttl is accepted (the constructor, each
 ``set``/``set_many``/``get_or_compute`` call, the pipe and the node): a store would
 otherwise read them three different ways (Redis: expire at once; memcached: never, or
 "an absolute Unix time"). Stores receive a positive ``float``; one that counts whole

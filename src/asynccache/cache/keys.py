@@ -141,7 +141,7 @@ class Keyspace:
     The core, the pipe and the node all build keys here (``key(k)``), so they agree by
     construction. ``named``: the user gave the namespace (values may be reused by any
     run that gives it); otherwise it is unique to the object that made it, and
-    :meth:`ttl` bounds how long its values live. Pickles with its owner: copies share it.
+    `ttl()` bounds how long its values live. Pickles with its owner: copies share it.
     """
 
     __slots__ = ("max_key_size", "named", "namespace", "prefix")

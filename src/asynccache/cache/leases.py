@@ -33,7 +33,7 @@ logger = logging.getLogger("asynccache")
 
 
 class Leases:
-    """The leases of one :class:`~asynccache.cache.core.AsyncKVCache` (``cache.lease``
+    """The leases of one `AsyncKVCache` (``cache.lease``
     seconds each)."""
 
     def __init__(self, cache: AsyncKVCache) -> None:

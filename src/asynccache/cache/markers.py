@@ -3,8 +3,8 @@
 ``MISSING``: not in the store, or unusable: compute it (also "not given" for a
 ``default`` or ``ttl`` argument; ``None`` is a value). ``NOT_READ`` (the store's): the
 store was not asked or did not answer: read-ahead drops it, a direct read treats it as
-``MISSING``. :class:`Failed`: raise mode, this key's bytes failed to decode; raised where
-it is consumed.
+``MISSING``. `Failed`: raise mode, this key's bytes failed to decode; raised where it
+is consumed.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ __all__ = ["MISSING", "NOT_READ", "Failed", "is_value"]
 
 
 class MISSING(Sentinel, metaclass=Sentinel):
-    """Not given / not in the cache (``None`` is a valid value)."""
+    """Not given / not in the cache (``None`` is a valid value): ``await cache.get(key,
+    MISSING)`` tells a miss from a cached ``None``."""
 
 
 class Failed:

@@ -1,10 +1,10 @@
 """The read path of a cache: store bytes to values, with every failure reported to the
 failure policy, the L1 tier asked first, and chunked values joined.
 
-What a read hands back is a value per key, or a marker (:mod:`asynccache.cache.markers`):
-``MISSING`` (absent or unusable), ``NOT_READ`` (its node failed or backs off),
-:class:`~asynccache.cache.markers.Failed` (raise mode: undecodable). Any thread may
-decode; only :meth:`ReadPath.blobs` and :meth:`ReadPath.values` need the cache's loop.
+What a read hands back is a value per key, or a marker (`asynccache.cache.markers`):
+``MISSING`` (absent or unusable), ``NOT_READ`` (its node failed or backs off), `Failed`
+(raise mode: undecodable). Any thread may decode; only `ReadPath.blobs()` and
+`ReadPath.values()` need the cache's loop.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ _IMMUTABLE = frozenset({bool, int, float, complex, str, bytes, type(None)})
 
 
 class ReadPath:
-    """Reads of one :class:`~asynccache.cache.core.AsyncKVCache`."""
+    """Reads of one `AsyncKVCache`."""
 
     def __init__(self, cache: AsyncKVCache) -> None:
         self.cache = cache
@@ -62,12 +62,11 @@ class ReadPath:
     def decode(self, store_keys: Sequence[bytes], blobs: Sequence[Any],
                second_look: bool = False) -> tuple[list[Any], dict[int, ChunkManifest], int]:
         """Decode one multi-get reply: a value per key (``MISSING`` for absent or unusable
-        bytes, ``NOT_READ`` passed through, :class:`Failed` in raise mode), the chunk
-        manifests still to resolve, and the bytes the reply carried (what read-ahead
-        sizes its requests by). No I/O: any thread may call it. ``second_look``: keys
-        this process read a moment ago (see :meth:`Leases.claim
-        <asynccache.cache.leases.Leases.claim>`); bytes that fail to decode were counted
-        and logged then, and are a plain ``MISSING`` now."""
+        bytes, ``NOT_READ`` passed through, `Failed` in raise mode), the chunk manifests
+        still to resolve, and the bytes the reply carried (what read-ahead sizes its
+        requests by). No I/O: any thread may call it. ``second_look``: keys this process
+        read a moment ago (see `Leases.claim()`); bytes that fail to decode were counted and
+        logged then, and are a plain ``MISSING`` now."""
         cache = self.cache
         out: list[Any] = [MISSING] * len(blobs)
         manifests: dict[int, ChunkManifest] = {}
@@ -120,7 +119,7 @@ class ReadPath:
         return values, missing
 
     def decode_failed(self, store_key: bytes, exc: DecodeError) -> Any:
-        """Count and log undecodable bytes: ``MISSING``, or :class:`Failed` in raise mode."""
+        """Count and log undecodable bytes: ``MISSING``, or `Failed` in raise mode."""
         policy = self.cache.policy
         error = type(exc)(f"key {store_key!r}: {exc}")
         policy.decode_failed(error)
@@ -133,7 +132,7 @@ class ReadPath:
         """Decoded values (or markers) and the first store failure: the whole read path
         of the loop thread; never raises for the store. Keys the L1 tier holds are not
         asked for. ``sizes`` gets the bytes the store's reply carried appended (read-ahead
-        sizes its requests by them). ``second_look``: see :meth:`decode`."""
+        sizes its requests by them). ``second_look``: see `decode()`."""
         if self.cache.l1 is not None:
             values, missing = self.from_l1(store_keys)
             if not missing:
@@ -158,7 +157,7 @@ class ReadPath:
 
     def outcomes(self, values: list[Any], error: StoreError | None) -> list[Any]:
         """Markers → what a caller gets, counting hits and misses: ``MISSING`` for a
-        miss; in raise mode :class:`Failed` for a key whose node failed or whose bytes
+        miss; in raise mode `Failed` for a key whose node failed or whose bytes
         did not decode (the caller raises it)."""
         strict = self.cache.policy.strict
         hits = misses = 0

@@ -1,11 +1,11 @@
-"""Writes of a cache: now (:meth:`Writer.entries`) or behind, through its one queue.
+"""Writes of a cache: now (`Writer.entries()`) or behind, through its one queue.
 
-Any thread queues encoded values (:meth:`WriteQueue.put`); the cache's event loop takes
-them in batches (:meth:`WriteQueue.take`), writes them and reports each batch done
-(:meth:`WriteQueue.done`). There is no second queue in front of this one.
+Any thread queues encoded values (`WriteQueue.put()`); the cache's event loop takes
+them in batches (`WriteQueue.take()`), writes them and reports each batch done
+(`WriteQueue.done()`). There is no second queue in front of this one.
 
 Read your writes. Until the store acknowledged a value, the queue holds its bytes:
-a read that misses a key this process wrote asks :meth:`WriteQueue.recall`, and gets
+a read that misses a key this process wrote asks `WriteQueue.recall()`, and gets
 those bytes (decoded afresh by the caller: an object of its own) instead of computing
 the value again. A read sent before a write landed may come back a miss after the
 write was acknowledged; the queue remembers the keys acknowledged lately (their bytes
@@ -162,8 +162,8 @@ class WriteQueue:
 
 
 class Writer:
-    """The writes of one :class:`~asynccache.cache.core.AsyncKVCache`: values encoded
-    (any thread), written now or queued behind (the cache's one :class:`WriteQueue`,
+    """The writes of one `AsyncKVCache`: values encoded
+    (any thread), written now or queued behind (the cache's one `WriteQueue`,
     ``cache.writes``), counted, and read back from the queue on a miss."""
 
     def __init__(self, cache: AsyncKVCache) -> None:
@@ -173,7 +173,7 @@ class Writer:
     def encode_values(self, mapping: Mapping[bytes, Any]) -> dict[bytes, bytes]:
         """``{store key: blob}`` for ``{store key: value}``: each value encoded whole, bound
         to its key. Pure (no I/O, no loop state), so it may run in any thread. Raises
-        :class:`~asynccache.errors.EncodeError` for the user to fix."""
+        `EncodeError` for the user to fix."""
         cache = self.cache
         encode = cache.codec.encode
         blobs = {store_key: encode(value, store_key) for store_key, value in mapping.items()}
@@ -184,7 +184,7 @@ class Writer:
 
     def entries_for(self, blobs: Mapping[bytes, bytes]) -> dict[bytes, bytes]:
         """Store-ready entries for encoded values, chunked where over the store's item
-        limit (:func:`asynccache.cache.chunks.split_entries`)."""
+        limit (`asynccache.cache.chunks.split_entries()`)."""
         cache = self.cache
         entries, chunked = chunks.split_entries(blobs, cache.client.max_value_size,
                                                 cache.codec, cache.chunking)
@@ -194,7 +194,7 @@ class Writer:
 
     def encode_entries(self, mapping: Mapping[bytes, Any]) -> dict[bytes, bytes]:
         """Store-ready ``{store key: blob}`` for ``{store key: value}``, chunked if needed
-        (:meth:`encode_values` then :meth:`entries_for`). Any thread."""
+        (`encode_values()` then `entries_for()`). Any thread."""
         return self.entries_for(self.encode_values(mapping))
 
     # -- now ------------------------------------------------------------------------------
@@ -249,8 +249,8 @@ class Writer:
     def write_later(self, blobs: Mapping[bytes, bytes]) -> bool:
         """Queue encoded values (``{store key: blob}``) for write-behind, from any thread.
 
-        Until the store acknowledges them, :meth:`recall` hands them back. True when
-        the loop's writer must be started: call :meth:`start` in the cache's loop
+        Until the store acknowledges them, `recall()` hands them back. True when
+        the loop's writer must be started: call `start()` in the cache's loop
         (``loop.call_soon_threadsafe`` from another thread)."""
         cache = self.cache
         wake, dropped = cache.writes.put(blobs, self.entries_for(blobs))
@@ -259,7 +259,7 @@ class Writer:
         return wake
 
     def write_behind(self, blobs: Mapping[bytes, bytes]) -> None:
-        """:meth:`write_later` from the cache's own loop. :meth:`flush` waits until
+        """`write_later()` from the cache's own loop. `flush()` waits until
         everything queued so far is written."""
         self.write_later(blobs)
         self.start()

@@ -114,7 +114,7 @@ def _refuse(path: str, reason: str) -> None:
 @contextlib.contextmanager
 def _root(create: bool) -> Iterator[int | None]:
     """A file descriptor of this user's verified boards directory, or None (absent and not
-    ``create``, unusable, or refused: then boards are off, see :func:`_refuse`)."""
+    ``create``, unusable, or refused: then boards are off, see `_refuse()`)."""
     path = str(boards_root())
     if path in _refused:
         yield None
@@ -326,14 +326,14 @@ class StatsBoard:
     def publish(self, counters: dict[str, int]) -> None:
         """Write this process's counters (atomically: readers never see half a file).
         Only into an existing board: copies never make one (the owner did, in
-        :meth:`label`; once it removed it, a late report must not bring it back)."""
+        `label()`; once it removed it, a late report must not bring it back)."""
         with self._directory() as fd:
             if fd is not None:
                 _write(fd, f"{os.getpid()}.json", json.dumps(counters).encode())
 
     def collect(self) -> dict[int, dict[str, int]]:
         """The latest counters of every other process that published, by pid. A file that
-        does not parse as counters is ignored (counted in :attr:`errors`)."""
+        does not parse as counters is ignored (counted in `errors`)."""
         found: dict[int, dict[str, int]] = {}
         own = os.getpid()
         with self._directory() as fd:
@@ -363,7 +363,7 @@ class StatsBoard:
                                               "owner": os.getpid()}).encode())
 
     def metadata(self) -> dict[str, Any] | None:
-        """What :meth:`label` recorded, or None (an unlabelled or vanished board)."""
+        """What `label()` recorded, or None (an unlabelled or vanished board)."""
         with self._directory() as fd:
             return None if fd is None else _meta(fd)
 

@@ -81,7 +81,7 @@ class Latency:
 
     @classmethod
     def from_row(cls, row: Sequence[int]) -> Latency:
-        """The inverse of :meth:`to_row`; a row of another length is refused (ValueError)."""
+        """The inverse of `to_row()`; a row of another length is refused (ValueError)."""
         if len(row) != _SLOTS + 1:
             raise ValueError(f"a latency row has {_SLOTS + 1} ints, got {len(row)}")
         values = [int(v) for v in row]

@@ -1,5 +1,5 @@
 """The Prometheus collector and the summary line's public entry points; the metric names
-are listed in :mod:`asynccache.metrics` (the public path)."""
+are listed in `asynccache.metrics` (the public path)."""
 
 from __future__ import annotations
 
@@ -58,9 +58,13 @@ def _labels(obj: Any) -> tuple[str, str]:
 class CacheCollector:
     """A ``prometheus_client`` collector for caches, pipes and nodes (held weakly).
 
-    ``registry``: where to register (default: prometheus_client's ``REGISTRY``; None:
-    not registered, for a registry of your own later). A registry takes one collector
-    of these names: add objects to it with :meth:`add`, or use :func:`register`.
+    A registry takes one collector of these names: add objects to it with `add()`, or
+    use `register()`.
+
+    Args:
+        *objects: `AsyncKVCache`, `AsyncKVCacheMapDataPipe` or `CachedMapper` objects.
+        registry: where to register (default: prometheus_client's ``REGISTRY``; None:
+            not registered, for a registry of your own later).
     """
 
     def __init__(self, *objects: Any, registry: Any = _DEFAULT_REGISTRY) -> None:
@@ -141,11 +145,18 @@ _per_registry_lock = threading.Lock()
 
 
 def register(*objects: Any, registry: Any = _DEFAULT_REGISTRY) -> CacheCollector:
-    """Report ``objects`` in ``registry`` (default: prometheus_client's ``REGISTRY``).
+    """Report ``objects`` in ``registry``.
 
     One collector per registry, made on the first call and reused after (a registry
     refuses two collectors with the same metric names): call it for each new pipe,
     node or cache, e.g. every epoch, as often as you like.
+
+    Args:
+        *objects: caches, pipes or nodes, as for `CacheCollector`.
+        registry: default: prometheus_client's ``REGISTRY``.
+
+    Returns:
+        The registry's one `CacheCollector`.
     """
     if registry is _DEFAULT_REGISTRY:
         registry = _prometheus().REGISTRY

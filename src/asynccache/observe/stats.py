@@ -4,7 +4,7 @@ Why shards: a cache is used from its event loop thread and from every consumer t
 (DataLoader fetch, thread pools, ``ParallelMapper(method="thread")``). ``counter[k] += 1``
 from two threads loses updates, and a lock per increment costs more than a cache hit.
 So every thread adds to a dict of its own (found through a ``threading.local``) and
-:meth:`Counters.snapshot` sums the shards. A shard is written by exactly one thread;
+`Counters.snapshot()` sums the shards. A shard is written by exactly one thread;
 reading it from another is a C-level ``dict`` copy, atomic under the GIL. Shards of
 threads that have ended are folded into one, so a pool that churns threads does not
 grow the list.
@@ -33,7 +33,7 @@ CORE_COUNTERS = (
 
 
 class Counters:
-    """Named int counters, one shard per thread; :meth:`snapshot` sums them."""
+    """Named int counters, one shard per thread; `snapshot()` sums them."""
 
     def __init__(self, names: Iterable[str] = CORE_COUNTERS) -> None:
         self.names = tuple(names)
@@ -45,7 +45,7 @@ class Counters:
     def shard(self) -> dict[str, int]:
         """This thread's counters (created on its first use). Only this thread writes it."""
         try:
-            return self._local.shard  # type: ignore[no-any-return]
+            return self._local.shard
         except AttributeError:
             shard = dict.fromkeys(self.names, 0)
             self._local.shard = shard
@@ -88,7 +88,7 @@ class FailureLog:
 
     "First" is per process unless ``claim`` is given: then the first time a process
     sees a kind it asks ``claim(kind)`` whether it is the first of the whole job (a pipe
-    or node passes its stats board's :meth:`~asynccache.observe.board.StatsBoard.claim`), so two
+    or node passes its stats board's `StatsBoard.claim()`), so two
     DataLoader workers, or the fresh workers of every epoch, log a dead store once.
     """
 

@@ -1,10 +1,10 @@
-"""One line of numbers for a training log, now (:func:`summary_line`) or every N seconds
-(:func:`log_summary`).
+"""One line of numbers for a training log, now (`summary_line()`) or every N seconds
+(`log_summary()`).
 
 Why a line and not a dashboard: most training runs are read through their log. A line a
-minute with the hit rate, the errors and the store's latency tells whether the cache
-is doing its job without anything else to set up; Prometheus
-(:mod:`asynccache.metrics`) is there for those who run one.
+minute with the hit rate, the errors and the store's latency tells whether the cache is
+doing its job without anything else to set up; Prometheus (`asynccache.metrics`) is there
+for those who run one.
 
 The periodic logger is a daemon thread of the process that started it. It holds the
 pipe, node or cache weakly (it stops once the object is gone), never runs in a forked
@@ -73,7 +73,8 @@ def summary_line(obj: Any) -> str:
 
 
 class SummaryLogger:
-    """Logs :func:`summary_line` of one object every ``every`` seconds until stopped."""
+    """Logs `summary_line()` of one object every ``every`` seconds until stopped (the
+    arguments are `log_summary()`'s)."""
 
     def __init__(self, obj: Any, every: float, logger: logging.Logger | None = None,
                  level: int = logging.INFO) -> None:
@@ -132,6 +133,15 @@ class SummaryLogger:
 
 def log_summary(obj: Any, every: float = 60.0, logger: logging.Logger | None = None,
                 level: int = logging.INFO) -> SummaryLogger:
-    """Start logging ``obj``'s one-line summary every ``every`` seconds; returns the
-    :class:`SummaryLogger` (``.stop()``, or use it as a context manager)."""
+    """Start logging ``obj``'s one-line summary (`summary_line()`) every ``every`` seconds.
+
+    Args:
+        obj: an `AsyncKVCache`, a pipe or a `CachedMapper` (held weakly).
+        every: seconds between lines.
+        logger: where to log (default: ``asynccache.summary``).
+        level: the level of the lines.
+
+    Returns:
+        The `SummaryLogger`: ``.stop()`` it, or use it as a context manager.
+    """
     return SummaryLogger(obj, every, logger, level)

@@ -11,7 +11,7 @@ import secrets
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import _fork
 from .._fork import park_inherited
@@ -28,12 +28,18 @@ from .prefetch import Prefetcher
 from .runtime import ProcessRuntime, Reports
 from .window import DEFAULT_PREFETCH_BYTES
 
-try:  # torch is optional: without it the class is a plain map-style wrapper
-    from torch.utils.data import MapDataPipe as _Base
+if TYPE_CHECKING:  # the checker sees torch's generic base; torch is optional at run time
+    from torch.utils.data import MapDataPipe
     from torch.utils.data import functional_datapipe as _functional_datapipe
-except ImportError:  # pragma: no cover - exercised only where torch is absent
-    _Base = object  # type: ignore[assignment,misc]
-    _functional_datapipe = None
+
+    _Base = MapDataPipe[Any]
+else:
+    try:  # torch is optional: without it the class is a plain map-style wrapper
+        from torch.utils.data import MapDataPipe as _Base
+        from torch.utils.data import functional_datapipe as _functional_datapipe
+    except ImportError:  # pragma: no cover - exercised only where torch is absent
+        _Base = object
+        _functional_datapipe = None
 
 __all__ = ["AsyncKVCacheMapDataPipe"]
 
@@ -137,7 +143,7 @@ class PipeRuntime(ProcessRuntime):
         self.finish(close=True, timeout=timeout, readers=[p.reader for p in prefetchers])
 
 
-class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
+class AsyncKVCacheMapDataPipe(_Base):
     """Caches a map-style dataset in a shared key-value store, with batched read-ahead
     (functional name: ``async_kv_cache``).
 
@@ -149,7 +155,7 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
 
     Args:
         source: the map-style dataset (or ``MapDataPipe``) whose items are cached.
-        client: a store client from :func:`asynccache.connect`: picklable configuration,
+        client: a store client from `asynccache.connect()`: picklable configuration,
             it connects lazily in each process (DataLoader workers included).
         prefetch: upcoming indices read ahead per reading thread (per node of a pool or
             cluster); grown up to 4x for small values, bounded by ``prefetch_bytes``;
@@ -259,7 +265,7 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
 
     def key_for(self, index: Any) -> bytes:
         """The store key of ``index``: ``b"ac:" + namespace + b":" + str(index)`` for an
-        int; other keys by the encoding of :mod:`asynccache.cache.keys`."""
+        int; other keys by the documented key encoding (docs/design.md, "Keys")."""
         return self.keyspace.key(index)
 
     def _normalize(self, index: Any) -> Any:
@@ -448,7 +454,9 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         In the process that built the pipe: the sum over every copy of it — this
         process's and those of DataLoader workers, as of their last report (at most about
         a second old; final once they exited). In a worker: that worker's own.
-        ``per_process=True``: ``{pid: counters}`` instead of the sum.
+
+        Args:
+            per_process: ``{pid: counters}`` instead of the sum.
         """
         local = self._local_stats() if self._closed is None else dict(self._closed)
         if per_process:
@@ -457,9 +465,11 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
 
     def latency(self, per_process: bool = False) -> Any:
         """Durations of this pipe's store requests, ``{"read": Latency, "write": Latency}``
-        (see :meth:`AsyncKVCache.latency <asynccache.cache.core.AsyncKVCache.latency>`), summed
-        over the processes of the job like :meth:`stats`; ``per_process=True``:
-        ``{pid: {kind: Latency}}``."""
+        (see `AsyncKVCache.latency()`), summed over the processes of the job like `stats()`.
+
+        Args:
+            per_process: ``{pid: {kind: Latency}}`` instead of the sum.
+        """
         return self._reports.latency(self._rt, per_process)
 
     def _local_stats(self) -> dict[str, int]:
@@ -470,7 +480,8 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         return rt.stats()
 
     def flush(self, timeout: float = CLOSE_TIMEOUT) -> None:
-        """Wait until pending write-behind entries are in the store (bounded)."""
+        """Wait until pending write-behind entries are in the store (at most ``timeout``
+        seconds)."""
         rt = self._rt
         if rt is not None:
             rt.flush(timeout)
@@ -479,8 +490,11 @@ class AsyncKVCacheMapDataPipe(_Base):  # type: ignore[misc,valid-type]
         """Flush pending writes, then close this process's connections (bounded).
 
         The client stays usable (it reconnects lazily); the pipe does not: a read after
-        close() raises :class:`~asynccache.errors.ClosedError`. ``stats()`` keeps
-        answering with the final counters. Closing twice does nothing.
+        close() raises `ClosedError`. ``stats()`` keeps answering with the final counters.
+        Closing twice does nothing.
+
+        Args:
+            timeout: seconds the flush may take.
         """
         if self._closed is not None:
             return
@@ -532,7 +546,8 @@ def _forward_getitems_through_dataloader_wrapper() -> None:
         getitems = getattr(type(self._datapipe), "__getitems__", None)
         if getitems is None:
             return [self._datapipe[i] for i in indices]
-        return getitems(self._datapipe, indices)
+        batch: list[Any] = getitems(self._datapipe, indices)
+        return batch
 
     _MapDataPipeSerializationWrapper.__getitems__ = __getitems__  # type: ignore[attr-defined]
 

@@ -12,7 +12,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, TypeVar
 
 from torch.utils.data import IterableDataset, get_worker_info
@@ -123,22 +123,42 @@ def _map_only(map_fn: Callable[[Any], Any], item: Any) -> Any:
     return map_fn(item)
 
 
-class CachedMapper(BaseNode[T]):
+# torchdata ships no type information (no py.typed, no stubs): BaseNode is Any to mypy
+class CachedMapper(BaseNode[T]):  # type: ignore[misc]
     """Yields ``map_fn(item)`` for each item of ``source``, cached in a shared store.
 
-    ``prefetch``: items pulled ahead from the source and read from the store in batches
-    (0: one item at a time), bounded in bytes too by ``prefetch_bytes`` (learned from
-    the sizes read, as the pipe's read-ahead). ``num_workers``: threads
-    (``method="thread"``) or processes (``"process"``, ``map_fn`` must then pickle)
-    that compute misses as soon as read-ahead finds them; 0 computes them in the calling
-    thread when reached.
-    ``l1_bytes``: an in-process LRU of encoded values in front of the store.
-    ``key_fn(item)``: the cache key of an item (default: the item itself, e.g. the
-    index a ``SamplerWrapper`` yields). ``snapshot_frequency``: how often (in items) the
-    source's state is recorded for :meth:`get_state`; resuming pulls (and drops) at most
-    that many items from the source, without ``map_fn``. Recording it costs more than the
-    cached read of an item (64: ~4.5x the items/s of 1 over a ``SamplerWrapper``); give 1
-    when the source itself is expensive to run forward.
+    Args:
+        source: the ``torchdata.nodes`` node whose items are mapped (e.g.
+            ``SamplerWrapper(sampler)``): its order is the read-ahead's, known exactly.
+        map_fn: computes an item's value on a miss.
+        client: a store client from `asynccache.connect()`.
+        prefetch: items pulled ahead from the source and read from the store in batches
+            (0: one item at a time), bounded in bytes too by ``prefetch_bytes`` (learned
+            from the sizes read, as the pipe's read-ahead).
+        namespace: the versioned name values are stored under; the same keys as a pipe
+            with the same namespace. Without one the node gets a namespace of its own,
+            whose values expire after a day.
+        ttl: seconds (or a ``datetime.timedelta``) values live in the store; ``None``:
+            no expiry (an unnamed namespace: a day).
+        codec: how values become bytes (default ``Codec()``).
+        on_error: ``"fallback"`` (default: a store failure is a counted miss) or
+            ``"raise"``.
+        key_fn: ``key_fn(item)`` is the cache key of an item (default: the item itself,
+            e.g. the index a ``SamplerWrapper`` yields).
+        num_workers: threads (``method="thread"``) or processes (``"process"``,
+            ``map_fn`` must then pickle) that compute misses as soon as read-ahead finds
+            them; 0 computes them in the calling thread when reached.
+        method: ``"thread"`` or ``"process"``, for ``num_workers``.
+        multiprocessing_context: the start method of those processes (default: the
+            platform's).
+        snapshot_frequency: how often (in items) the source's state is recorded for
+            `get_state()`; resuming pulls (and drops) at most that many items from the
+            source, without ``map_fn``. Recording it costs more than the cached read of
+            an item (64: ~4.5x the items/s of 1 over a ``SamplerWrapper``); give 1 when
+            the source itself is expensive to run forward.
+        l1_bytes: an in-process LRU of this many bytes of encoded values in front of the
+            store.
+        prefetch_bytes: the read-ahead window's bound in bytes.
     """
 
     SNAPSHOT_KEY = "snapshot"
@@ -401,7 +421,11 @@ class CachedMapper(BaseNode[T]):
         """The cache's counters plus the node's: hits, misses, prefetch_hits, stalls,
         computed (computed_ahead of them by the workers), ... In the process that built
         the node, summed over every copy of it (DataLoader workers; see the pipe's
-        ``stats``); ``per_process=True`` gives ``{pid: counters}``."""
+        ``stats``).
+
+        Args:
+            per_process: ``{pid: counters}`` instead of the sum.
+        """
         rt = self._rt
         if self._closed is not None:
             local = dict(self._closed)
@@ -418,18 +442,28 @@ class CachedMapper(BaseNode[T]):
 
     def latency(self, per_process: bool = False) -> Any:
         """Durations of the node's store requests, ``{"read": Latency, "write": Latency}``,
-        summed over the processes of the job like :meth:`stats`; ``per_process=True``:
-        ``{pid: {kind: Latency}}``."""
+        summed over the processes of the job like `stats()`.
+
+        Args:
+            per_process: ``{pid: {kind: Latency}}`` instead of the sum.
+        """
         return self._reports.latency(self._rt, per_process)
 
     def flush(self, timeout: float = EPOCH_FLUSH_TIMEOUT) -> None:
+        """Wait until pending write-behind entries are in the store (at most ``timeout``
+        seconds)."""
         if self._rt is not None:
             self._rt.flush(timeout)
 
     def close(self, timeout: float = EPOCH_FLUSH_TIMEOUT) -> None:
         """Flush pending writes, stop the workers, close this process's connections.
-        Using the node afterwards raises :class:`~asynccache.errors.ClosedError`;
-        ``stats()`` keeps the final counters. Closing twice does nothing."""
+
+        Using the node afterwards raises `ClosedError`; ``stats()`` keeps the final
+        counters. Closing twice does nothing.
+
+        Args:
+            timeout: seconds the flush may take.
+        """
         if self._closed is not None:
             return
         self._drop_ahead()
@@ -449,14 +483,16 @@ class CachedMapper(BaseNode[T]):
                 f"prefetch={self.prefetch}, namespace={self.namespace!r})")
 
 
-class NodeIterable(IterableDataset):  # type: ignore[misc]
+class NodeIterable(IterableDataset[Any]):
     """A node as a stateful ``IterableDataset``, for ``DataLoader`` and
     ``StatefulDataLoader`` (with workers too).
 
-    ``make_node(worker_id, num_workers)`` builds the node of one worker (``0, 1`` without
-    workers), e.g. over that worker's shard of the sampler. ``state_dict()`` /
-    ``load_state_dict()`` delegate to a ``torchdata.nodes.Loader`` over it, so a
-    StatefulDataLoader resumes each worker exactly where it was.
+    ``state_dict()`` / ``load_state_dict()`` delegate to a ``torchdata.nodes.Loader``
+    over the node, so a StatefulDataLoader resumes each worker exactly where it was.
+
+    Args:
+        make_node: ``make_node(worker_id, num_workers)`` builds the node of one worker
+            (``0, 1`` without workers), e.g. over that worker's shard of the sampler.
     """
 
     def __init__(self, make_node: Callable[[int, int], BaseNode[Any]]) -> None:
@@ -475,11 +511,12 @@ class NodeIterable(IterableDataset):  # type: ignore[misc]
                 self._state = None
         return self._loader
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[Any]:
         yield from self._current()
 
     def state_dict(self) -> dict[str, Any]:
-        return self._current().state_dict()
+        state: dict[str, Any] = self._current().state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._state = state_dict

@@ -77,7 +77,7 @@ class Prefetcher:
         #: in-order reads served from the buffer: the one counter the fast path touches
         #: (``fast_specials`` of them were misses or failures, counted on the slow path)
         self.fast_reads = self.fast_specials = 0
-        #: The epoch clock of a followed order (see :meth:`follow`): every other read, and
+        #: The epoch clock of a followed order (see `follow()`): every other read, and
         #: the read count at which the current epoch began, in reads of ``epoch_len``.
         self.slow_reads = 0
         self.epoch_len = 0  # reads per epoch of the order followed; 0: no order
@@ -337,7 +337,7 @@ class Prefetcher:
         return self._end_direct(self._start_direct(indices))
 
     def _start_direct(self, indices: list[Any]) -> Ticket:
-        """Send the request of :meth:`_read_direct` (read-ahead sent after it queues
+        """Send the request of `_read_direct()` (read-ahead sent after it queues
         behind it, not in front: one round trip for both)."""
         self.direct_reads += len(indices)
         return self._submit(indices, direct=True)

@@ -73,7 +73,7 @@ class Reader(ABC):
         """Block until ``ticket`` completes; False if it could not within its deadline."""
 
     def advance(self, ticket: Ticket) -> list[Ticket]:
-        """Like :meth:`poll`, but doing no more work than ``ticket`` needs: the consumer
+        """Like `poll()`, but doing no more work than ``ticket`` needs: the consumer
         waits for it, and what else arrived is left for the reads that need it, so no
         single read pays for receiving and decoding a whole window of read-ahead."""
         return self.poll()

@@ -2,7 +2,7 @@
 
 Never pickled, rebuilt in every process that uses its owner (a forked DataLoader worker
 inherits the parent's runtime object but not its thread or sockets: see ``current()``).
-Both integrations compute misses through :meth:`ProcessRuntime.compute`, so write-back,
+Both integrations compute misses through `ProcessRuntime.compute()`, so write-back,
 its visibility guarantee and leases behave the same in both.
 """
 
@@ -182,17 +182,17 @@ class ProcessRuntime:
 
         * ``"queued"`` -- whenever the writer gets to them (``flush()`` waits);
         * ``"now"`` -- before this call returns (about one round trip);
-        * ``"next"`` -- before the *next* batch returns (see :meth:`settle`): a batch's
+        * ``"next"`` -- before the *next* batch returns (see `settle()`): a batch's
           writes go out while the worker computes the next one, instead of the worker
           waiting for them. The batch that ends a worker's planned epoch uses ``"now"``,
           so that every value written in epoch 1 is there for every worker in epoch 2,
           persistent or not.
 
         Under ``lease`` each key is computed by one process and written at once (see
-        :class:`~asynccache.cache.core.AsyncKVCache`).
+        `AsyncKVCache`).
 
         Read your writes: a key this process wrote lately is not computed again (see
-        :meth:`recall`); every value returned is an object of its own.
+        `recall()`); every value returned is an object of its own.
         """
         found = self.recall(wanted)
         if found:
@@ -242,7 +242,7 @@ class ProcessRuntime:
 
     def _compute_once(self, wanted: Mapping[bytes, Any],
                       fn: Callable[[Any], Any]) -> dict[bytes, Any]:
-        """Claim the keys (:meth:`~asynccache.cache.leases.Leases.claim`), compute and write
+        """Claim the keys (`Leases.claim()`), compute and write
         what is ours, wait for the others' values; a lease that frees up while waiting
         (its holder died) is ours."""
         cache, loop = self.cache, self.loop

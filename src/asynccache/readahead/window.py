@@ -119,9 +119,9 @@ def values_found(ticket: Ticket) -> int:
 class WindowSizer:
     """A read-ahead window and its requests, in items, sized by the bytes replies carry.
 
-    The one sizing rule of the pipe's :class:`Prefetcher` and the torchdata node: a first
+    The one sizing rule of the pipe's `Prefetcher` and the torchdata node: a first
     window of ``FIRST_WINDOW`` in requests of ``FIRST_BATCH`` until a reply shows sizes,
-    then :func:`sized_window` of two moving averages, bytes per item of the current mix
+    then `sized_window()` of two moving averages, bytes per item of the current mix
     (what an item costs in flight) and bytes per value found (what the small-value growth
     follows). Replies that cannot change anything are not looked at: small values once
     the window is full, except one reply in ``GROWN_SAMPLE`` to a grown window.

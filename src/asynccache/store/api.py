@@ -1,13 +1,12 @@
 """The store interface: what the cache layer calls, and what a consumer thread reads on.
 
-A client (:class:`BaseClient`) is picklable configuration; it opens its connections
-lazily, per process and event loop. The cache calls :meth:`BaseClient.read` and
-:meth:`BaseClient.write`, which report per node (:class:`ReadResult`,
-:class:`WriteResult`) and never raise for store trouble; ``get_many``/``set_many`` are
-the all-or-nothing forms derived from them. A store that is one node answering all or
-nothing (:class:`SimpleStore`: providers, memory) goes the other way, through the one
-adapter, :func:`read_one_node` / :func:`write_one_node`. Read-ahead on a consumer's own
-thread uses :class:`ConsumerConnection` s (:meth:`BaseClient.consumer_reads`).
+A client (`BaseClient`) is picklable configuration; it opens its connections lazily, per
+process and event loop. The cache calls `BaseClient.read()` and `BaseClient.write()`, which
+report per node (`ReadResult`, `WriteResult`) and never raise for store trouble;
+``get_many``/``set_many`` are the all-or-nothing forms derived from them. A store that is
+one node answering all or nothing (`SimpleStore`: providers, memory) goes the other way,
+through the one adapter, `read_one_node()` / `write_one_node()`. Read-ahead on a consumer's
+own thread uses `ConsumerConnection`s (`BaseClient.consumer_reads()`).
 """
 
 from __future__ import annotations
@@ -90,9 +89,9 @@ class WriteResult:
 class ConsumerConnection(ABC):
     """A pipelined multi-get connection of one node, driven by one consumer thread.
 
-    Requests are answered in order, one reply (a value per key) per :meth:`send_get`.
+    Requests are answered in order, one reply (a value per key) per `send_get()`.
     Every request has a deadline (``timeout`` after it was sent): past it
-    :meth:`receive` raises ``StoreTimeout`` and the connection is closed, so a stuck or
+    `receive()` raises ``StoreTimeout`` and the connection is closed, so a stuck or
     trickling server costs at most one timeout. Any failure closes the connection with
     everything queued on it: no reply is ever matched to another request.
     """
@@ -125,7 +124,7 @@ class ConsumerConnection(ABC):
 class AnsweredAtSend(ConsumerConnection):
     """A "connection" that reads each request at once, in the caller's thread, and queues
     the reply (a local file, or keys sent through another path): nothing is ever in
-    flight, so nothing can time out. Subclasses implement :meth:`read`."""
+    flight, so nothing can time out. Subclasses implement `read()`."""
 
     def __init__(self) -> None:
         self.replies: collections.deque[list[Any]] = collections.deque()
@@ -190,14 +189,19 @@ class BaseClient(ABC, Generic[StateT]):
     Subclasses implement ``_open_state`` (build the library client for the running loop,
     without network I/O), ``_close_state``, ``read``, ``write``, ``delete_many`` and
     ``ping``.
+
+    Args:
+        timeout: seconds each operation may take, end to end.
+        connect_timeout: seconds opening a connection may take.
+        max_batch: keys per multi-get request.
     """
 
     scheme: ClassVar[str]
-    #: Largest value the store accepts in one item; ``None`` means "no practical limit".
     max_value_size: int | None = None
-    #: How much later than asked an expiry may happen (memcached counts whole seconds):
-    #: a process waiting on another's lease waits this much longer before giving up.
+    """Largest value the store accepts in one item; ``None`` means "no practical limit"."""
     expiry_slack: ClassVar[float] = 0.0
+    """How much later than asked an expiry may happen (memcached counts whole seconds):
+    a process waiting on another's lease waits this much longer before giving up."""
     #: Where the password is (no secret: pickled as it is); None for a store without one.
     _credential: Credential | None = None
 
@@ -266,7 +270,7 @@ class BaseClient(ABC, Generic[StateT]):
     def retain(self) -> None:
         """Count one more user of this loop's connections (call from inside the loop).
 
-        Caches and pipes sharing one client in one loop retain it, and :meth:`release`
+        Caches and pipes sharing one client in one loop retain it, and `release()`
         it when done: the connections close when the last user leaves, never under a
         user that still has requests in flight.
         """
@@ -334,7 +338,7 @@ class BaseClient(ABC, Generic[StateT]):
         result = await self.read(keys)
         for error in result.failures.values():
             raise error
-        return result.values  # type: ignore[no-any-return]
+        return result.values
 
     async def set_many(self, mapping: Mapping[bytes, bytes], ttl: float | None = None) -> None:
         """Store every pair; ``ttl`` in seconds (``None``: no expiry); raises the first
@@ -358,9 +362,11 @@ class BaseClient(ABC, Generic[StateT]):
         raise NotImplementedError(f"{type(self).__name__} has no add_many (set if absent)")
 
     async def get(self, key: bytes) -> bytes | None:
+        """The value of one key, or ``None``."""
         return (await self.get_many([key]))[0]
 
     async def set(self, key: bytes, value: bytes, ttl: float | None = None) -> None:
+        """Store one pair (as `set_many()`)."""
         await self.set_many({key: value}, ttl)
 
     # -- administration: what the command line (ping, stats, flush, warm) calls --------
@@ -377,7 +383,7 @@ class BaseClient(ABC, Generic[StateT]):
                    ) -> AsyncIterator[list[tuple[bytes, int | None]]]:
         """Every key that starts with ``prefix``, in batches of about ``batch`` (store key,
         size of its value in bytes or ``None`` when unknown); every node of a pool or
-        cluster. Keys are yielded as :meth:`delete_many` and :meth:`contains_many` take
+        cluster. Keys are yielded as `delete_many()` and `contains_many()` take
         them. Like Redis ``SCAN``, a key may be yielded twice if the store reorganises
         itself meanwhile, and keys written meanwhile may or may not appear."""
         raise Unsupported(f"{self.safe_url}: this store ({type(self).__name__}) cannot list "
@@ -401,8 +407,8 @@ class BaseClient(ABC, Generic[StateT]):
 
 class SimpleStore(BaseClient[StateT]):
     """A store that is one node and answers all or nothing: it implements ``get_many``
-    and ``set_many``; ``read`` and ``write`` adapt them (:func:`read_one_node`,
-    :func:`write_one_node`). The base of :class:`~asynccache.Provider`."""
+    and ``set_many``; ``read`` and ``write`` adapt them (`read_one_node()`,
+    `write_one_node()`). The base of `Provider`."""
 
     @abstractmethod
     async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -424,7 +430,7 @@ class SimpleStore(BaseClient[StateT]):
 async def read_one_node(client: BaseClient[Any],
                         get_many: Callable[[Sequence[bytes]], Awaitable[list[bytes | None]]],
                         keys: Sequence[bytes], skip: Collection[NodeName]) -> ReadResult:
-    """``get_many(keys)`` of a one-node store as a :class:`ReadResult`: its failure is
+    """``get_many(keys)`` of a one-node store as a `ReadResult`: its failure is
     the node's (every key ``NOT_READ``), never raised; ConfigError (for the user to fix,
     e.g. no password in this process) is."""
     node = client.node_names[0]
@@ -446,7 +452,7 @@ async def write_one_node(client: BaseClient[Any],
                                             Awaitable[None]],
                          entries: Mapping[bytes, bytes], ttl: float | None,
                          skip: Collection[NodeName]) -> WriteResult:
-    """``set_many(entries, ttl)`` of a one-node store as a :class:`WriteResult`."""
+    """``set_many(entries, ttl)`` of a one-node store as a `WriteResult`."""
     node = client.node_names[0]
     if node in skip:
         return WriteResult(skipped=len(entries))

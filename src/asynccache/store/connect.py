@@ -1,6 +1,6 @@
 """``connect(url, **options)``: turn a store URL into a client configuration object.
 
-The accepted forms: :func:`connect`; why it is built this way: docs/design.md, "URLs".
+The accepted forms: `connect()`; why it is built this way: docs/design.md, "URLs".
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ _FALSE = {"false", "0", "no", "off"}
 
 def _mask(url: str) -> str:
     """The URL with its password replaced, for error messages (found as
-    :func:`_connect` finds it: any character may be in a password)."""
+    `_connect()` finds it: any character may be in a password)."""
     return mask_url(url)
 
 
@@ -136,22 +136,31 @@ def connect(url: str, **options: Any) -> BaseClient[Any]:
     """Build a client for ``url``: picklable configuration, no network I/O (connections
     open lazily, in the process and event loop that first uses them).
 
-    Accepted forms::
+    The accepted forms:
 
-        redis://[user:password@]host[:port][/db][?option=value...]     (port 6379, db 0)
-        rediss://...                                                   (TLS)
-        unix://[user:password@]/path/to/redis.sock[?db=N&option=value]
-        redis+cluster://[user:password@]host:port[,host:port...]
-        rediss+cluster://...                                           (TLS to every node)
-        memcached://host[:port][,host[:port]...][?option=value]        (port 11211)
-        memory://[name]
-        lmdb:///path/to/dir[?map_size=64GiB&option=value]              (one machine, no server)
-        scheme://...                                                   (a registered provider)
+    ```text
+    redis://[user:password@]host[:port][/db][?option=value...]     (port 6379, db 0)
+    rediss://...                                                   (TLS)
+    unix://[user:password@]/path/to/redis.sock[?db=N&option=value]
+    redis+cluster://[user:password@]host:port[,host:port...]
+    rediss+cluster://...                                           (TLS to every node)
+    memcached://host[:port][,host[:port]...][?option=value]        (port 11211)
+    memory://[name]
+    lmdb:///path/to/dir[?map_size=64GiB&option=value]              (one machine, no server)
+    scheme://...                                                   (a registered provider)
+    ```
 
-    Options (query string or keyword, keywords win): ``timeout`` and ``connect_timeout``
-    (seconds), ``max_batch`` (keys per multi-get), ``item_size`` (bytes; larger values
-    are chunked), ``tls`` and the ``ssl_*`` options, ``password_env``. See the docs'
-    "Stores and URLs" and "Security" pages.
+    Args:
+        url: the store, in one of the forms above.
+        **options: as in the query string (keywords win): ``timeout`` and
+            ``connect_timeout`` (seconds), ``max_batch`` (keys per multi-get),
+            ``item_size`` (bytes; larger values are chunked), ``tls`` and the ``ssl_*``
+            options, ``password_env``. See the docs' "Stores and URLs" and "Security"
+            pages.
+
+    Raises:
+        InvalidURL: the URL has none of these forms, or a bad host, port or option.
+        ConfigError: an option the store does not take.
     """
     try:
         return _connect(url, options)

@@ -1,8 +1,8 @@
 """Passwords out of the client, its pickles and every message.
 
-A client keeps a :class:`Credential`: where its password is (a process-local vault keyed
+A client keeps a `Credential`: where its password is (a process-local vault keyed
 by a fingerprint of the URL without secrets, or an environment variable), never the
-password, so a pickle carries none. :func:`mask_url` and :func:`mask_text` hide the
+password, so a pickle carries none. `mask_url()` and `mask_text()` hide the
 userinfo of store URLs in messages, found by the rule ``connect()`` splits URLs by (see
 docs/security.md).
 """

@@ -3,7 +3,7 @@
 Why not one loop per object: every asyncio connection belongs to the loop that made it,
 so sharing one loop lets every pipe in a process share connections. After ``fork`` the
 child inherits the parent's ``LoopThread`` object but not its thread, so
-:func:`get_loop_thread` builds a new one when the fork generation moved on. Why not
+`get_loop_thread()` builds a new one when the fork generation moved on. Why not
 ``anyio.from_thread.start_blocking_portal``: the hot path needs only
 ``call_soon_threadsafe`` (one per batch) and ``run_coroutine_threadsafe``; a portal adds
 a layer per call without adding anything we use (see the issue notes).

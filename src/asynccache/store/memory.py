@@ -23,6 +23,14 @@ class MemoryClient(SimpleStore[None]):
 
     def __init__(self, *, name: str = "default", max_value_size: int | None = None,
                  **options: object) -> None:
+        """Which in-process dict, and its limit.
+
+        Args:
+            name: clients with the same name in one process share one dict.
+            max_value_size: the largest value in one item (``None``: no limit; larger
+                values are chunked).
+            **options: `BaseClient`'s: ``timeout``, ``connect_timeout``, ``max_batch``.
+        """
         super().__init__(**options)  # type: ignore[arg-type]
         self.name = name
         self.max_value_size = max_value_size

@@ -10,7 +10,7 @@ import functools
 import inspect
 import sys
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, ClassVar, TypeVar
 from urllib.parse import parse_qsl
 
@@ -56,14 +56,17 @@ def _mask_password(url: str) -> str:
 class Provider(SimpleStore[_Held]):
     """Base class for third-party stores: subclass, implement, ``register_scheme``.
 
-    ``url`` is the URL the provider was built from (kept for ``repr`` and logs, with
-    any password masked); ``timeout`` bounds each operation, ``connect_timeout`` is
-    yours to use when you open a connection, ``max_batch`` is how many keys the core
-    puts in one ``get_many`` (it may still send fewer or more; chunk if you must).
+    Args:
+        url: the URL the provider was built from (kept for ``repr`` and logs, with any
+            password masked).
+        timeout: seconds each operation may take.
+        connect_timeout: seconds, yours to use when you open a connection.
+        max_batch: how many keys the core puts in one ``get_many`` (it may still send
+            fewer or more; chunk if you must).
     """
 
-    #: The URL scheme, for messages; set it on your subclass.
     scheme: ClassVar[str] = "provider"
+    """The URL scheme, for messages; set it on your subclass."""
 
     def __init__(
         self,
@@ -93,12 +96,19 @@ class Provider(SimpleStore[_Held]):
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Provider:
-        """The default factory for :func:`asynccache.register_scheme`: ``cls(url,
+        """The default factory for `asynccache.register_scheme()`: ``cls(url,
         **options)``, with the URL's query string as options (keywords win).
 
         ``timeout``, ``connect_timeout`` and ``max_batch`` are converted to numbers;
         other query options arrive as strings (convert them in your ``__init__``).
-        An option your ``__init__`` does not take is a ``ConfigError`` naming it.
+
+        Args:
+            url: the URL given to `asynccache.connect()`.
+            **options: the keyword options given to it.
+
+        Raises:
+            ConfigError: an option your ``__init__`` does not take (the message names it).
+            InvalidURL: a numeric option in the query string is not a number.
         """
         query = query_of(url)
         merged: dict[str, Any] = {}
@@ -120,14 +130,14 @@ class Provider(SimpleStore[_Held]):
     # -- the connection -------------------------------------------------------------------
     def open_connection(self) -> Any:
         """Create this process' and event loop's connection; returned as
-        :attr:`connection`. Called on first use, inside the running loop; no network
+        `connection`. Called on first use, inside the running loop; no network
         round trips here (they would not be bounded): connect lazily, or in an
         operation. The default has no connection (``None``)."""
         return None
 
     def close_connection(self, conn: Any) -> Awaitable[None] | None:
-        """Close what :meth:`open_connection` returned (may be ``async def``). Called
-        by :meth:`close` in the loop that opened it; never in a forked child for its
+        """Close what `open_connection()` returned (may be ``async def``). Called
+        by `close()` in the loop that opened it; never in a forked child for its
         parent's connection."""
         return None
 
@@ -305,11 +315,12 @@ def _scan_page(self: Provider, prefix: bytes, page: Any) -> list[tuple[bytes, in
     return pairs
 
 
-def _guard_scan(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+def _guard_scan(fn: Callable[..., AsyncGenerator[Any, None]]
+                ) -> Callable[..., AsyncGenerator[Any, None]]:
     signature = inspect.signature(fn)
 
     @functools.wraps(fn)
-    async def guarded(self: Provider, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+    async def guarded(self: Provider, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
         prefix = bytes(signature.bind(self, *args, **kwargs).arguments["prefix"])
         inner = fn(self, *args, **kwargs)
         try:

@@ -55,8 +55,16 @@ def _checked(scheme: object) -> str:
 def register_scheme(scheme: str, factory: Factory, *, replace: bool = False) -> None:
     """Make ``connect("scheme://...", **options)`` call ``factory(url, **options)``.
 
-    ``replace=True`` is needed to take over a scheme that is already known (built-in or
-    registered earlier in this process).
+    Args:
+        scheme: the URL scheme (a letter, then letters, digits, ``+``, ``-``, ``.``).
+        factory: ``factory(url, **options)`` returns the client, e.g. a
+            `Provider` subclass's ``from_url``.
+        replace: take over a scheme that is already known (built-in or registered
+            earlier in this process).
+
+    Raises:
+        ConfigError: the scheme is not a URL scheme, the factory is not callable, or the
+            scheme is taken and ``replace`` is not given.
     """
     name = _checked(scheme)
     if not callable(factory):
@@ -72,7 +80,7 @@ def register_scheme(scheme: str, factory: Factory, *, replace: bool = False) -> 
 
 
 def unregister_scheme(scheme: str) -> None:
-    """Forget a scheme registered with :func:`register_scheme` (built-ins come back)."""
+    """Forget a scheme registered with `register_scheme()` (built-ins come back)."""
     with _lock:
         _registered.pop(_checked(scheme), None)
 
@@ -145,20 +153,20 @@ def _from_entry_point(name: str) -> Factory | None:
             f"asynccache.register_scheme({name!r}, factory)")
     (ep,) = offers
     try:
-        factory = ep.load()
+        loaded: object = ep.load()
     except Exception as exc:
         raise ConfigError(
             f"the URL scheme {name!r} comes from {_dist(ep)}, whose {ENTRY_POINT_GROUP} entry "
             f"point {ep.name} = {ep.value!r} cannot be loaded ({type(exc).__name__}: {exc}); "
             f"reinstall or upgrade {_dist_name(ep)}, or uninstall it") from exc
-    if not callable(factory):
+    if not callable(loaded):
         raise ConfigError(
             f"the URL scheme {name!r} comes from {_dist(ep)}, whose {ENTRY_POINT_GROUP} entry "
-            f"point {ep.value!r} is a {type(factory).__name__}, not a factory "
+            f"point {ep.value!r} is a {type(loaded).__name__}, not a factory "
             f"(factory(url, **options) -> client); report it to {_dist_name(ep)}")
     with _lock:
-        _loaded[name] = factory
-    return factory
+        _loaded[name] = loaded
+    return loaded
 
 
 def _dist_name(ep: metadata.EntryPoint) -> str:

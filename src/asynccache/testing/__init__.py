@@ -2,10 +2,10 @@
 
 Not part of a cache's runtime: the demo, the benchmarks and the test suite start
 ``redis-server`` / ``valkey-server`` / ``memcached`` / a Redis Cluster with
-:mod:`asynccache.testing.servers` (on free loopback ports, torn down on exit), and inject
-latency, trickle, resets and black holes with :class:`~asynccache.testing.proxy.FaultProxy`.
-Its errors (:class:`~asynccache.testing.servers.TestingError`) are outside the
-``CacheError`` tree, so that code handling a cache's failures never hides a broken set-up.
+`asynccache.testing.servers` (on free loopback ports, torn down on exit), and inject
+latency, trickle, resets and black holes with `FaultProxy`. Its errors (`TestingError`) are
+outside the ``CacheError`` tree, so that code handling a cache's failures never hides a
+broken set-up.
 """
 
 from __future__ import annotations

@@ -245,7 +245,14 @@ class _Link:
 
 
 class FaultProxy:
-    """Forward ``listen_host:listen_port`` to ``target_host:target_port`` with faults."""
+    """Forward ``listen_host:listen_port`` to ``target_host:target_port`` with faults.
+
+    Args:
+        target_host: the server's host (loopback only).
+        target_port: the server's port.
+        listen_host: where the proxy listens (loopback only).
+        listen_port: its port (0: a free one, kept across a stop and a later start).
+    """
 
     def __init__(
         self,
@@ -331,18 +338,26 @@ class FaultProxy:
 
     # -- faults
     def set_latency(self, rtt_seconds: float) -> None:
-        """Add ``rtt_seconds / 2`` to each direction (applies to data read from now on)."""
+        """Add ``rtt_seconds / 2`` to each direction (applies to data read from now on).
+
+        Args:
+            rtt_seconds: the round trip time added, in seconds.
+        """
         if rtt_seconds < 0:
             raise ValueError(f"rtt_seconds must be >= 0, not {rtt_seconds}")
         self._control(lambda: setattr(self, "_delay", rtt_seconds / 2))
 
     def set_trickle(self, nbytes: int | None, every: float = 0.0, direction: str = "down") -> None:
-        """Forward at most *nbytes* per *every* seconds in *direction*; 0 or None: off.
+        """Forward at most ``nbytes`` per ``every`` seconds in ``direction``.
 
-        *direction* is "down" (server -> client), "up" (client -> server) or "both".
         One setting: each call replaces the previous one, so ``set_trickle(0)`` lifts
         the trickle in both directions. Bytes already held back are sent at the new rate
         (or at once when lifted) as soon as this returns.
+
+        Args:
+            nbytes: bytes per period; 0 or None: off.
+            every: the period, in seconds.
+            direction: "down" (server -> client), "up" (client -> server) or "both".
         """
         if direction not in _DIRECTIONS:
             raise ValueError(f"direction must be one of {_DIRECTIONS}, not {direction!r}")

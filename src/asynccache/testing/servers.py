@@ -11,7 +11,7 @@ Lifecycle rules, and why:
   works before, and independently of, the clients it helps test). The probe asks the
   server for its pid (``INFO server`` / memcached ``stats``): a foreign listener that
   grabbed our "free" port in the meantime is never mistaken for ours.
-- TLS (:class:`TlsFiles`): the server listens for TLS only (Redis ``--port 0
+- TLS (`TlsFiles`): the server listens for TLS only (Redis ``--port 0
   --tls-port``, memcached ``-Z``), and the probe speaks TLS with ``ssl`` on its raw
   socket, trusting the test CA (and presenting the client certificate when the server
   requires one). The certificates come from the caller (tests make them with trustme).
@@ -222,9 +222,16 @@ class TlsFiles:
     """PEM files for a TLS test server: its certificate chain and key, the CA clients
     should trust (the readiness probe trusts it too), and a client certificate and key.
 
-    With *require_client_cert* the server refuses clients without a certificate signed
-    by *ca_cert* (Redis ``--tls-auth-clients yes``, memcached ``ssl_verify_mode=2``); the
-    probe and :attr:`~RedisServer.url` then present the client certificate.
+    Args:
+        ca_cert: the CA clients trust.
+        cert_file: the server's certificate chain.
+        key_file: the server's key.
+        client_cert_file: a client certificate signed by ``ca_cert``.
+        client_key_file: its key.
+        require_client_cert: the server refuses clients without a certificate signed by
+            ``ca_cert`` (Redis ``--tls-auth-clients yes``, memcached
+            ``ssl_verify_mode=2``); the probe and `RedisServer.url` then present the
+            client certificate.
     """
 
     ca_cert: str
@@ -627,15 +634,25 @@ _S = TypeVar("_S", bound=LocalServer)
 class RedisServer(LocalServer):
     """redis-server or valkey-server; ``kind`` says which one actually answered.
 
-    *maxmemory_policy* defaults to allkeys-lru because a cache should evict rather than
-    fail writes; "noeviction" lets a test fill the store and see ``OOM`` error replies.
-    *idle_timeout* is redis' ``timeout`` (whole seconds): the server closes a client
-    connection idle that long, which is how reconnect-after-idle is tested. A cluster
-    node with *announce_port* tells clients (``CLUSTER SLOTS``/``SHARDS``, ``MOVED``) to
-    use that port, e.g. a proxy's, while its bus port stays direct. With *tls* it
-    serves TLS only, on its port (``--port 0 --tls-port``; a cluster node's bus and
-    announced ports are TLS too, ``--tls-cluster yes``). *extra_args* come last, and
-    redis takes the last value of a directive, so they win over all of these.
+    Args:
+        binary: the server's path (default: `find_redis_binary()`).
+        prefer: ``"redis"``, ``"valkey"`` or ``"embedded"``, for `find_redis_binary()`.
+        unix_socket: listen on a unix socket in the server's temp dir instead of TCP.
+        port: the TCP port (default: a free one).
+        maxmemory: redis' ``maxmemory`` (e.g. ``"64mb"``).
+        maxmemory_policy: defaults to allkeys-lru because a cache should evict rather
+            than fail writes; "noeviction" lets a test fill the store and see ``OOM``
+            error replies.
+        idle_timeout: redis' ``timeout`` (whole seconds): the server closes a client
+            connection idle that long, which is how reconnect-after-idle is tested.
+        extra_args: come last, and redis takes the last value of a directive, so they
+            win over all of these.
+        password: ``requirepass``.
+        cluster: start a cluster-enabled node (see `start_redis_cluster()`).
+        announce_port: a cluster node tells clients (``CLUSTER SLOTS``/``SHARDS``,
+            ``MOVED``) to use that port, e.g. a proxy's, while its bus port stays direct.
+        tls: serve TLS only, on its port (``--port 0 --tls-port``; a cluster node's bus
+            and announced ports are TLS too, ``--tls-cluster yes``).
     """
 
     def __init__(
@@ -777,10 +794,16 @@ class RedisServer(LocalServer):
 class MemcachedServer(LocalServer):
     """memcached on a loopback TCP port (UDP off).
 
-    *item_size* is ``-I`` (largest value, e.g. "8m"; memcached's default is 1m).
-    *no_evict* is ``-M``: when memory is full, a set gets ``SERVER_ERROR out of memory``
-    instead of evicting, so a test can fill the store and see the error.
-    With *tls* it serves TLS only (``-Z``; memcached must be built with TLS).
+    Args:
+        binary: the server's path (default: `find_memcached_binary()`).
+        port: the TCP port (default: a free one).
+        memory_mb: ``--memory-limit``, the memory for items, in MiB.
+        item_size: ``-I`` (largest value, e.g. "8m"; memcached's default is 1m).
+        threads: ``--threads``, worker threads.
+        no_evict: ``-M``: when memory is full, a set gets ``SERVER_ERROR out of memory``
+            instead of evicting, so a test can fill the store and see the error.
+        extra_args: appended to the command line.
+        tls: serve TLS only (``-Z``; memcached must be built with TLS).
     """
 
     kind = "memcached"
@@ -889,7 +912,7 @@ def start_redis(
 ) -> RedisServer:
     """Start a private redis-server/valkey-server and return it once it answers.
 
-    The options are :class:`RedisServer`'s.
+    The options are `RedisServer`'s.
     """
     server = RedisServer(
         binary,
@@ -916,7 +939,7 @@ def start_memcached(
     extra_args: Sequence[str] = (),
     tls: TlsFiles | None = None,
 ) -> MemcachedServer:
-    """Start a private memcached; the options are :class:`MemcachedServer`'s."""
+    """Start a private memcached; the options are `MemcachedServer`'s."""
     server = MemcachedServer(
         port=port,
         memory_mb=memory_mb,
@@ -943,13 +966,16 @@ def _started(server: _S) -> _S:
 class RedisCluster:
     """A local Redis Cluster: n masters, no replicas, all on loopback.
 
-    With *through_proxies*, node i is started with ``proxies[i]``'s port as its announced
-    client port, so ``CLUSTER SLOTS``/``SHARDS`` and ``MOVED`` name the proxies and every
-    client connection to node i goes through proxy i: a fault on one proxy hits exactly
-    the keys of that node's slots. The cluster bus stays direct (nodes gossip without
-    the proxies, so a proxy fault never makes the cluster itself fail), and so do our own
-    setup and readiness calls. A proxy stays up while its node is killed: clients then
-    see what they would see of a crashed server, and restart() reconnects it.
+    Args:
+        nodes: cluster-enabled `RedisServer`s, not yet started.
+        through_proxies: node i is started with ``proxies[i]``'s port as its announced
+            client port, so ``CLUSTER SLOTS``/``SHARDS`` and ``MOVED`` name the proxies
+            and every client connection to node i goes through proxy i: a fault on one
+            proxy hits exactly the keys of that node's slots. The cluster bus stays
+            direct (nodes gossip without the proxies, so a proxy fault never makes the
+            cluster itself fail), and so do our own setup and readiness calls. A proxy
+            stays up while its node is killed: clients then see what they would see of
+            a crashed server, and restart() reconnects it.
     """
 
     def __init__(self, nodes: list[RedisServer], *, through_proxies: bool = False) -> None:
@@ -1114,11 +1140,14 @@ def start_redis_cluster(
     n: int = 3, *, binary: str | None = None, through_proxies: bool = False,
     tls: TlsFiles | None = None,
 ) -> RedisCluster:
-    """Start *n* cluster-enabled masters (0 replicas) and wait until the cluster is ok.
+    """Start ``n`` cluster-enabled masters (0 replicas) and wait until the cluster is ok.
 
-    With *through_proxies*, clients reach node i only through ``proxies[i]``, a
-    :class:`~asynccache.testing.proxy.FaultProxy` (see :class:`RedisCluster`). With *tls* every
-    node serves TLS only, its cluster bus included.
+    Args:
+        n: how many masters.
+        binary: the server's path (default: as for `RedisServer`).
+        through_proxies: clients reach node i only through ``proxies[i]``, a
+            `FaultProxy` (see `RedisCluster`).
+        tls: every node serves TLS only, its cluster bus included.
     """
     if n < 1:
         raise ValueError(f"a cluster needs at least one node, not {n}")

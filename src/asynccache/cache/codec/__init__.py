@@ -1,6 +1,6 @@
-"""Values to bytes and back (:class:`~asynccache.cache.codec.codec.Codec`), one concern a
-module: the header and flags (format), pickling with out-of-band buffers, the pickle-free
-format (plain), compression, signing (mac), chunk manifests. The format: docs/formats.md.
+"""Values to bytes and back (`Codec`), one concern a module: the header and flags (format),
+pickling with out-of-band buffers, the pickle-free format (plain), compression, signing
+(mac), chunk manifests. The format: docs/formats.md.
 """
 
 from .codec import DEFAULT_CODEC, Codec

@@ -93,7 +93,7 @@ _codec_plain: Any = None
 
 
 def _plain() -> Any:
-    """:mod:`asynccache.cache.codec.plain`, imported on first use (msgpack costs ~5 ms to import).
+    """`asynccache.cache.codec.plain`, imported on first use (msgpack costs ~5 ms to import).
 
     ImportError escapes: Codec(allow_pickle=False) turns it into MissingDependency, decode
     into a DecodeError.
@@ -129,18 +129,27 @@ def _rebuild_codec_from_env(
 class Codec:
     """Turns cached values into self-describing blobs bound to their store key, and back.
 
-    Compression is applied to the whole payload only when it is at least
-    ``compress_threshold`` bytes and only kept when it shrinks it; decode handles every
-    compression kind regardless of this codec's setting (values written by a peer with
-    another setting stay readable). ``max_value_bytes`` bounds what encode writes and what
-    decode accepts or decompresses (header + uncompressed payload), so hostile or damaged
-    bytes in the store cannot make a reader allocate more.
+    Decode handles every compression kind regardless of this codec's setting (values
+    written by a peer with another setting stay readable). ``secret`` and
+    ``allow_pickle=False`` are for stores that others can write to; `from_env()` reads
+    the secrets from the environment, which is also how a signing codec crosses a pickle.
 
-    ``secret`` (bytes or str, or a sequence of them: the first signs, all verify) signs
-    every value with a keyed MAC and accepts only values it verifies; ``allow_pickle=False``
-    writes and reads pickle-free values only (see docs/formats.md). Both are for
-    stores that others can write to; :meth:`from_env` reads the secrets from the
-    environment, which is also how a signing codec crosses a pickle.
+    Args:
+        compression: ``None``, ``"zstd"``, ``"lz4"`` or ``"auto"``; applied to the whole
+            payload only when it is at least ``compress_threshold`` bytes, and only kept
+            when it shrinks it.
+        compress_threshold: the smallest payload compressed, in bytes.
+        compress_level: the compressor's level (``None``: its default).
+        checksum: the tag bound to the key covers the payload too; ``False``: the key,
+            version and flags only (a ``secret`` needs ``True``).
+        protocol: the pickle protocol.
+        max_value_bytes: bound on what encode writes and what decode accepts or
+            decompresses (header + uncompressed payload), so hostile or damaged bytes in
+            the store cannot make a reader allocate more.
+        secret: bytes or str, or a sequence of them (the first signs, all verify): every
+            value is signed with a keyed MAC and only values it verifies are accepted.
+        allow_pickle: ``False`` writes and reads pickle-free values only (see
+            docs/formats.md); reading never unpickles.
     """
 
     __slots__ = (
@@ -246,8 +255,14 @@ class Codec:
         all verify; surrounding spaces are ignored, so a secret cannot contain a comma).
         Unlike one built with ``secret=``, this codec can be pickled: the pickle names the
         variable and the secrets' fingerprints, and the receiving process (a spawned
-        DataLoader worker) reads the variable itself. ``options`` are the other
-        :class:`Codec` arguments.
+        DataLoader worker) reads the variable itself.
+
+        Args:
+            name: the environment variable.
+            **options: the other `Codec` arguments.
+
+        Raises:
+            ConfigError: the variable is not set, or holds an empty secret.
         """
         raw = os.environ.get(name)
         if raw is None:
@@ -349,8 +364,8 @@ class Codec:
                 flags |= KIND_BITS[self._kind]
         if self._signer is not None:
             fixed = FIXED.pack(MAGIC, VERSION, flags | F_MAC)
-            tag = self._signer.sign([mac_prefix(key, fixed), *parts])
-            return b"".join([fixed, tag, *parts])
+            mac = self._signer.sign([mac_prefix(key, fixed), *parts])
+            return b"".join([fixed, mac, *parts])
         if self.checksum:
             hasher = xxh3_64(seed=xxh3_64_intdigest(key, FLAG_SEEDS[flags]))
             for part in parts:  # one pass over the payload, no concatenation
@@ -364,9 +379,11 @@ class Codec:
     def encode(self, obj: object, key: bytes) -> bytes:
         """Serialise ``obj`` for the store key ``key`` (only ``decode(blob, key)`` reads it).
 
-        EncodeError (chained) if it cannot be pickled, or with ``allow_pickle=False`` is of
-        a type the pickle-free format lacks (the message says how to convert it);
-        ValueTooLarge if it is encoded over ``max_value_bytes``.
+        Raises:
+            EncodeError: (chained) ``obj`` cannot be pickled, or with
+                ``allow_pickle=False`` is of a type the pickle-free format lacks (the
+                message says how to convert it).
+            ValueTooLarge: it is encoded over ``max_value_bytes``.
         """
         if type(obj) is ChunkManifest:
             raise EncodeError("ChunkManifest is reserved for chunked values: use encode_manifest")
@@ -425,9 +442,12 @@ class Codec:
     def decode(self, data: bytes | bytearray | memoryview, key: bytes) -> object:
         """Inverse of encode/encode_manifest for the same ``key``.
 
-        DecodeError for anything else: foreign bytes, damage, a value of another key, input
-        over the bounds; FormatMismatch (a DecodeError) for another format version; with a
-        secret, SignatureError (a DecodeError) for every value none of its secrets signed.
+        Raises:
+            DecodeError: for anything else: foreign bytes, damage, a value of another key,
+                input over the bounds.
+            FormatMismatch: (a DecodeError) another format version.
+            SignatureError: (a DecodeError, with a secret) a value none of its secrets
+                signed.
         """
         if type(data) is bytes and len(data) <= _SLICE_MAX:
             # Hot path: a small cached value with flags 0, read from the store as bytes,
@@ -445,7 +465,9 @@ class Codec:
                     return pickle.loads(payload)
                 except Exception as exc:
                     raise unpickle_error(exc) from exc
-            if prefix == self._hot_signed:  # as _decode, without its general cases
+            # as _decode, without its general cases (with no signer _hot_signed is b"",
+            # which no prefix equals)
+            if prefix == self._hot_signed and self._signer is not None:
                 payload = data[SIGNED_HEADER_SIZE:]
                 mac_input = mac_prefix(key, prefix) + payload  # small: one hash update
                 if not self._signer.verify([mac_input], data[FIXED.size : SIGNED_HEADER_SIZE]):
@@ -545,7 +567,7 @@ class Codec:
             raise unpickle_error(exc) from exc
 
 
-def _byte_view(data: bytearray | memoryview) -> memoryview:
+def _byte_view(data: bytes | bytearray | memoryview) -> memoryview:
     mv = memoryview(data)
     if mv.ndim != 1 or mv.itemsize != 1:
         try:

@@ -47,7 +47,7 @@ FORGED = (
 
 def check_flags(flags: int, checksum: bool, allow_pickle: bool) -> None:
     """Refuse flag combinations this release never writes, or a Codec so configured never
-    reads (:func:`accepted_flags` tabulates it: decode calls it only to raise)."""
+    reads (`accepted_flags()` tabulates it: decode calls it only to raise)."""
     if flags & ~KNOWN_FLAGS or flags & COMP_MASK == COMP_MASK:
         raise DecodeError(f"unknown flags 0x{flags:02x} (written by a newer asynccache?)")
     if flags & F_MANIFEST and flags & (F_OOB | COMP_MASK | F_PLAIN):
@@ -68,7 +68,7 @@ def check_flags(flags: int, checksum: bool, allow_pickle: bool) -> None:
 
 @functools.cache
 def accepted_flags(checksum: bool, allow_pickle: bool) -> frozenset[int]:
-    """The flags bytes :func:`check_flags` accepts: one set lookup per decode."""
+    """The flags bytes `check_flags()` accepts: one set lookup per decode."""
     accepted = set()
     for flags in range(256):
         try:

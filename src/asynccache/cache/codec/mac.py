@@ -53,7 +53,7 @@ class Signer:
 
     Only derived keys are kept, inside blake3 hasher objects: there is no Python bytes
     object holding key material to print, compare or pickle (blake3 hashers refuse to be
-    pickled or copied with :mod:`copy`). Each call starts from a ``copy()`` of the keyed
+    pickled or copied with `copy`). Each call starts from a ``copy()`` of the keyed
     hasher, which skips the key setup.
     """
 

@@ -1,5 +1,5 @@
 """The manifest of a chunked value (what the store holds under its key), and how its
-chunks are cut and joined; the chunking itself is :mod:`asynccache.cache.chunks`."""
+chunks are cut and joined; the chunking itself is `asynccache.cache.chunks`."""
 
 from __future__ import annotations
 

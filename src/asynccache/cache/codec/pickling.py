@@ -21,7 +21,7 @@ ATOMIC = frozenset({type(None), bool, int, float, complex, str, bytes, bytearray
 
 
 def rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...]) -> Any:
-    """Unpickle side of :func:`reduce_tensor`: a tensor sharing (not copying) ``buf``."""
+    """Unpickle side of `reduce_tensor()`: a tensor sharing (not copying) ``buf``."""
     import torch
 
     torch_dtype = getattr(torch, dtype, None)
@@ -61,7 +61,7 @@ def reduce_tensor(t: Any, torch: Any) -> Any:
 class Pickler(pickle.Pickler):
     """C pickler with two reductions plain ``pickle.dumps`` cannot do.
 
-    * plain CPU torch tensors go out-of-band (see :func:`reduce_tensor`);
+    * plain CPU torch tensors go out-of-band (see `reduce_tensor()`);
     * read-only numpy arrays are pickled from a writable copy: pickle marks a read-only
       buffer READONLY_BUFFER and decode would then return a read-only array, which
       torch (``as_tensor``/``from_numpy``, hence ``default_collate``) warns about.
@@ -89,7 +89,7 @@ _local = threading.local()
 
 
 def dumps_special(obj: object, protocol: int) -> tuple[bytes, list[Any]]:
-    """pickle.dumps through :class:`Pickler`, reusing one pickler per thread.
+    """pickle.dumps through `Pickler`, reusing one pickler per thread.
 
     Building a pickler + BytesIO costs ~1 µs, more than pickling a small value. The
     pickler is taken out of the thread-local while in use, so a re-entrant call (a

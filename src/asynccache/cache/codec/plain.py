@@ -3,7 +3,7 @@
 Decoding runs no code named by the stored bytes: MessagePack is a data-only format parsed
 in C with every length bounded, and the few extension types (tuples, big ints, numpy
 arrays and scalars, CPU torch tensors) are parsed here with explicit checks. Nothing in
-this module imports or calls :mod:`pickle`. What is stored, and why MessagePack:
+this module imports or calls `pickle`. What is stored, and why MessagePack:
 docs/formats.md.
 """
 
@@ -193,7 +193,7 @@ class _Writer:
         code = _torch_tables()[1].get(t.dtype)
         if code is None and fix is None:
             fix = "value.to(torch.float32) or another supported dtype"
-        if fix is not None:
+        if fix is not None or code is None:  # (code is None: fix was set just above)
             raise _unsupported(t, f"plain CPU tensors only: convert with {fix}")
         if self.np is None:
             try:
@@ -338,7 +338,7 @@ def _torch_dtypes() -> list[Any]:
 
 
 def loads(stream: bytes | memoryview, buffers: Sequence[memoryview] = ()) -> object:
-    """Inverse of :func:`dumps`: DecodeError for anything :func:`dumps` cannot produce.
+    """Inverse of `dumps()`: DecodeError for anything `dumps()` cannot produce.
 
     ``buffers`` must be writable (the arrays and tensors returned are views of them).
     """

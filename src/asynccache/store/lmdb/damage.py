@@ -55,7 +55,7 @@ class Env:
     LMDB maps data.mdb into memory and trusts it. It checks what it reads of the B-tree
     (page types and bounds, leaf values within their page, page numbers below the last
     page in use), but not that the file still holds those pages: touching one past the
-    end of the file raises SIGBUS. So before each batch :meth:`check` compares the
+    end of the file raises SIGBUS. So before each batch `check()` compares the
     file's size with what both meta pages say is in use and checks the meta pages
     themselves; damage, once seen (here or by LMDB), is final for this process.
     """
@@ -95,7 +95,7 @@ class Env:
         return EnvironmentDamaged(self.damage)
 
     def check(self) -> None:
-        """Raise :class:`EnvironmentDamaged` unless data.mdb holds every page in use and
+        """Raise `EnvironmentDamaged` unless data.mdb holds every page in use and
         both meta pages are sane. Meta pages as already checked, in a file still long
         enough, cost one ``fstat`` and two 152-byte compares (~1.5 µs); a commit changes
         them, and they are checked again (~3.5 µs).

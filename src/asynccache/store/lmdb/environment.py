@@ -100,9 +100,9 @@ _fork.at_fork(before=_before_fork, in_parent=_after_fork_in_parent, in_child=_af
 @contextlib.contextmanager
 def session(settings: Settings, where: str) -> Iterator[Env]:
     """This process' environment for ``settings.path``, opened on first use and checked
-    (:meth:`Env.check`) each time, counted as in use (a fork waits) until the block
+    (`Env.check()`) each time, counted as in use (a fork waits) until the block
     ends: begin and end transactions inside it. LMDB's reports of damage inside the
-    block become an :class:`EnvironmentDamaged`, and the environment is not used again
+    block become an `EnvironmentDamaged`, and the environment is not used again
     in this process."""
     proc = _process
     with proc.idle:
@@ -126,7 +126,7 @@ def session(settings: Settings, where: str) -> Iterator[Env]:
 
 @contextlib.contextmanager
 def using(settings: Settings, where: str) -> Iterator[Any]:
-    """Like :func:`_session`, yielding only the ``lmdb.Environment``."""
+    """Like `session()`, yielding only the ``lmdb.Environment``."""
     with session(settings, where) as held:
         yield held.env
 

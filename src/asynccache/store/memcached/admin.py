@@ -2,7 +2,7 @@
 on a short-lived connection of their own.
 
 Why not the pipelined data connections: these replies are many ``STAT``/``key=`` lines up
-to ``END``, which the data-path parser (:mod:`asynccache.store.protocol.memcache`) has no
+to ``END``, which the data-path parser (`asynccache.store.protocol.memcache`) has no
 reason to know, and memcached refuses to pipeline anything before a metadump. They are
 rare (the command line), so one plain ``asyncio`` stream per command is enough.
 """

@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from ...errors import StoreError, StoreRejected
 from ..api import (
@@ -29,6 +29,7 @@ from ..protocol.memcache import (
     STORED,
     VERSION,
     ErrorReply,
+    Reply,
     Request,
     explain_rejection,
     hashed_prefix,
@@ -98,7 +99,17 @@ class MemcachedClient(BaseClient[_MemcachedState]):
         tls: TlsSettings | None = None,
         **options: Any,
     ) -> None:
-        """``tls``: TLS to every server (memcached's ``-Z``), the same settings for all."""
+        """The servers, and how to reach them.
+
+        Args:
+            servers: ``(host, port)`` of each server; keys are spread over them by
+                rendezvous hashing.
+            item_size: the servers' ``-I`` (largest item), in bytes: larger values are
+                chunked.
+            tls: TLS to every server (memcached's ``-Z``), the same settings for all.
+            **options: `BaseClient`'s: ``timeout``, ``connect_timeout``, ``max_batch``
+                (default 128).
+        """
         options.setdefault("max_batch", 128)
         super().__init__(**options)
         if not servers:
@@ -201,16 +212,18 @@ class MemcachedClient(BaseClient[_MemcachedState]):
             replies = await node.reads.execute(requests)
         except StoreError as exc:
             return exc
+        values_per_request: list[list[bytes | None]] = []
         for reply in replies:
             if isinstance(reply, ErrorReply):
                 return StoreError(f"memcached {node.name} answered get with {reply}")
-        found: Iterator[Any] = itertools.chain.from_iterable(replies)
+            values_per_request.append(_values(reply))
+        found: Iterator[Any] = itertools.chain.from_iterable(values_per_request)
         if len(unique) != len(safe):  # repeated keys: every position gets its key's value
             by_key = dict(zip(unique, found))
             found = (by_key[key] for key in safe)
         elif type(positions) is range and positions.step == 1:  # one node: all of them
-            values[positions.start:positions.stop] = replies[0] if len(replies) == 1 \
-                else found
+            values[positions.start:positions.stop] = values_per_request[0] \
+                if len(values_per_request) == 1 else found
             return None
         for position, value in zip(positions, found):
             values[position] = value
@@ -281,7 +294,7 @@ class MemcachedClient(BaseClient[_MemcachedState]):
             raise StoreError(f"memcached {node.name} answered version with {reply}")
         found = await settings(self._admin(index))
         item_size = found.get("item_size_max", "")
-        return {"server": "memcached", "version": bytes(reply).partition(b" ")[2].decode(),
+        return {"server": "memcached", "version": _line(reply).partition(b" ")[2].decode(),
                 "item_size": int(item_size) if item_size.isdigit() else None}
 
     async def scan(self, prefix: bytes, batch: int = 1000
@@ -290,7 +303,7 @@ class MemcachedClient(BaseClient[_MemcachedState]):
         value sizes (``mg key s``, pipelined; a key gone meanwhile is left out).
 
         Keys are yielded as the server holds them: a key memcached could not take
-        verbatim is in its digest form (see :func:`safe_memcached_key`), found through
+        verbatim is in its digest form (see `safe_memcached_key()`), found through
         its namespace prefix, and maps to itself when passed back to ``delete_many``."""
         starts = (prefix, hashed_prefix(prefix))
         for index in range(len(self.servers)):
@@ -311,8 +324,8 @@ class MemcachedClient(BaseClient[_MemcachedState]):
         for key, reply in zip(keys, replies):
             if isinstance(reply, ErrorReply):
                 raise StoreError(f"memcached {node.name} answered mg with {reply}")
-            if not bytes(reply).startswith(b"EN"):
-                listed.append((key, meta_size(bytes(reply))))
+            if not _line(reply).startswith(b"EN"):
+                listed.append((key, meta_size(_line(reply))))
         return listed
 
     async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
@@ -332,7 +345,7 @@ class MemcachedClient(BaseClient[_MemcachedState]):
             for position, reply in zip(positions, outcome):
                 if isinstance(reply, ErrorReply):
                     raise StoreError(f"memcached {node.name} answered mg with {reply}")
-                found[position] = not bytes(reply).startswith(b"EN")
+                found[position] = not _line(reply).startswith(b"EN")
         return found
 
     async def sizes_many(self, keys: Sequence[bytes]) -> list[int | None]:
@@ -351,11 +364,11 @@ class MemcachedClient(BaseClient[_MemcachedState]):
             for position, reply in zip(positions, outcome):
                 if isinstance(reply, ErrorReply):
                     raise StoreError(f"memcached {node.name} answered mg with {reply}")
-                sizes[position] = meta_size(bytes(reply)) or None
+                sizes[position] = meta_size(_line(reply)) or None
         return sizes
 
     async def add_many(self, entries: Mapping[bytes, bytes], ttl: float) -> list[bool]:
-        """memcached ``add`` per key, expiring by :func:`_exptime` (a lease that ended
+        """memcached ``add`` per key, expiring by `_exptime()` (a lease that ended
         early would let another process compute what this one is computing)."""
         nodes = self._state().nodes
         exptime = _exptime(ttl)
@@ -395,6 +408,18 @@ async def _on_every_node(work: list[tuple[_Node, list[Request]]], what: str) -> 
                 raise StoreError(f"memcached {node.name} answered {what} with {reply}")
 
 
+def _values(reply: Reply) -> list[bytes | None]:
+    """A ``get``'s reply once errors are ruled out: its values. The parser checked the
+    reply against the request that asked for it, and a get is answered with a list."""
+    return cast("list[bytes | None]", reply)
+
+
+def _line(reply: Reply) -> bytes:
+    """A one-line reply (``VERSION …``, ``mg``'s ``HD``/``EN``) once errors are ruled out,
+    as bytes. The parser checked it against its request: it is a line, not a list."""
+    return bytes(cast(bytes, reply))
+
+
 async def _attempt(call: Awaitable[T]) -> T | StoreError:
     """The call's result, or its store failure as a value."""
     try:
@@ -403,7 +428,7 @@ async def _attempt(call: Awaitable[T]) -> T | StoreError:
         return exc
 
 
-async def _concurrently(calls: list[Awaitable[T]]) -> list[T]:
+async def _concurrently(calls: Sequence[Awaitable[T]]) -> list[T]:
     """Await every call, concurrently when there are several (no task for just one)."""
     if len(calls) == 1:
         return [await calls[0]]

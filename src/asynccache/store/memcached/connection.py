@@ -1,7 +1,7 @@
 """memcached on the asyncio transport: one pipelined text-protocol connection per server.
 
 Every reply is checked against the request it answers (the sans-IO parser of
-:mod:`asynccache.store.protocol.memcache` is told what each request expects), so a reply
+`asynccache.store.protocol.memcache` is told what each request expects), so a reply
 is only ever handed to its own request; a ``CLIENT_ERROR``/``ERROR`` (the stream may be
 out of step) or bytes that cannot answer the oldest request close the connection.
 """
@@ -87,6 +87,6 @@ class MemcachedConnection(AsyncConnection):
 
     async def execute(self, requests: Sequence[Request]) -> list[Reply]:
         """Send every request pipelined; their replies in order (``SERVER_ERROR`` replies
-        included, as :class:`ErrorReply` values). Idempotent commands only."""
+        included, as `ErrorReply` values). Idempotent commands only."""
         buffers = list(itertools.chain.from_iterable(r.buffers for r in requests))
         return await self.execute_packed(buffers, len(requests), requests)

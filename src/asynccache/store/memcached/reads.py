@@ -1,11 +1,11 @@
-"""Read-ahead on one memcached server: pipelined ``get`` s on a consumer thread's own
+"""Read-ahead on one memcached server: pipelined ``get``s on a consumer thread's own
 socket (plain or TLS), on the blocking transport.
 
-One :meth:`~BlockingMemcachedConnection.send_get` takes the store's keys as they are,
-maps them with :func:`~asynccache.store.protocol.memcache.safe_memcached_key`, asks each
-distinct key once (memcached answers a repeated key once per mention, so duplicates are
-folded and handed back to every position), and cuts the request into ``get`` lines of at
-most ``max_batch`` keys; its reply is assembled from those lines.
+One `BlockingMemcachedConnection.send_get()` takes the store's keys as they are, maps them
+with `safe_memcached_key()`, asks each distinct key once (memcached answers a repeated key
+once per mention, so duplicates are folded and handed back to every position), and cuts the
+request into ``get`` lines of at most ``max_batch`` keys; its reply is assembled from those
+lines.
 """
 
 from __future__ import annotations

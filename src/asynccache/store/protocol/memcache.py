@@ -79,15 +79,15 @@ def safe_memcached_key(key: bytes) -> bytes:
     * ``ac:<ns>:`` + ``#`` + ``blake2b(key).hexdigest()`` for a key of asynccache's
       scheme (``ac:<ns>:...``) whose prefix is itself a short memcached key;
     * ``ac%`` + ``blake2b(prefix)[:8 bytes]`` + ``:#`` + digest when that prefix is not
-      (a non-ASCII or very long namespace): see :func:`hashed_prefix`;
+      (a non-ASCII or very long namespace): see `hashed_prefix()`;
     * ``ac#`` + digest for any other key.
 
-    No key asynccache writes has ``#`` right after its namespace prefix (encoded keys
-    start with a digit, ``-`` or a tag letter), so the first two forms never meet a key
-    stored verbatim. Keys that start with ``ac#`` are hashed too, except the exact
-    ``ac#`` + 40 hex digits form: a key listed back from the server maps to itself, which
-    is what lets :meth:`~asynccache.store.memcached.client.MemcachedClient.scan` hand its keys
-    to ``delete_many``. (Only a key crafted to equal another key's digest could collide.)
+    No key asynccache writes has ``#`` right after its namespace prefix (encoded keys start
+    with a digit, ``-`` or a tag letter), so the first two forms never meet a key stored
+    verbatim. Keys that start with ``ac#`` are hashed too, except the exact ``ac#`` + 40 hex
+    digits form: a key listed back from the server maps to itself, which is what lets
+    `MemcachedClient.scan()` hand its keys to ``delete_many``. (Only a key crafted to equal
+    another key's digest could collide.)
     """
     if _SAFE_KEY.fullmatch(key) or _HASHED_KEY.fullmatch(key):
         return key
@@ -174,7 +174,7 @@ class Request:
 
 
 def pack_get(keys: Sequence[bytes]) -> Request:
-    """``get k1 k2 …``; ``keys`` must be valid (see :func:`safe_memcached_key`) and unique."""
+    """``get k1 k2 …``; ``keys`` must be valid (see `safe_memcached_key()`) and unique."""
     if not keys:
         raise ValueError("a get needs at least one key")
     # valid keys hold no NUL: one join and one split make every key's line prefix
@@ -232,10 +232,10 @@ def _error_reply(line: bytes) -> ErrorReply | None:
 class ReplyParser:
     """Incremental parser of a pipelined stream of replies, checked against requests.
 
-    Call :meth:`expect` with each request as it is sent, :meth:`feed` with whatever
-    bytes arrived (or :meth:`buffer` / :meth:`received`), then :meth:`gets` until it
-    returns False (:meth:`next`: ``None``; the next reply is not complete yet). Raises
-    :class:`ProtocolViolation` for anything that cannot be the reply to the oldest
+    Call `expect()` with each request as it is sent, `feed()` with whatever
+    bytes arrived (or `buffer()` / `received()`), then `gets()` until it
+    returns False (`next()`: ``None``; the next reply is not complete yet). Raises
+    `ProtocolViolation` for anything that cannot be the reply to the oldest
     request still waiting.
     """
 
@@ -276,7 +276,7 @@ class ReplyParser:
 
     def buffer(self) -> memoryview:
         """Where a socket receives the next bytes (reused: ``recv(n)`` would allocate
-        ``n`` bytes per call); then :meth:`received`."""
+        ``n`` bytes per call); then `received()`."""
         if self._inbox is None:
             self._inbox = memoryview(bytearray(INBOX))
         return self._inbox

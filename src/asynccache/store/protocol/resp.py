@@ -1,7 +1,7 @@
 """RESP (Redis/Valkey) requests and replies for the lean read path; parsing is hiredis'.
 
 Why only this much: reads on the hot path are ``MGET`` (a single server) or, on a cluster,
-pipelined ``GET`` s per node (``MGET`` for a slot holding several keys of the batch), and
+pipelined ``GET``s per node (``MGET`` for a slot holding several keys of the batch), and
 each connection first sends ``AUTH``/``SELECT``. The cluster topology is redis-py's.
 """
 
@@ -221,7 +221,7 @@ def memcached_hint(exc: BaseException, address: str | None) -> str:
 def unexpected_reply(where: str, exc: BaseException, address: str | None) -> StoreError:
     """What a reply that is not RESP means: from a memcached server, the wrong URL, not
     damage -- a ``StoreUnavailable`` (the node is backed off, like any node that cannot
-    serve) saying which URL to use (:func:`memcached_hint`). Anything else: a StoreError
+    serve) saying which URL to use (`memcached_hint()`). Anything else: a StoreError
     (the connection is closed, its stream not trusted)."""
     hint = memcached_hint(exc, address)
     if hint:

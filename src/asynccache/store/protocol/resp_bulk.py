@@ -59,7 +59,7 @@ class BulkReader:
         return self._view[self._end:]
 
     def received(self, n: int) -> None:
-        """``n`` bytes were written into the last :meth:`buffer`."""
+        """``n`` bytes were written into the last `buffer()`."""
         target = self._target
         if target is not None and self._filled < len(target):
             self._filled += n

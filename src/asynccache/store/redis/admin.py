@@ -1,8 +1,8 @@
 """Admin commands for one Redis-protocol node (``INFO``, ``SCAN``, ``STRLEN``, ``EXISTS``),
 shared by the single-server and the cluster client.
 
-On the same pipelined :class:`~asynccache.store.redis.connection.RespConnection` as the data: one
-connection per node already exists, and these are few (the command line).
+On the same pipelined `RespConnection` as the data: one connection per node already exists,
+and these are few (the command line).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def pack_strlen(key: bytes) -> bytes:
 
 
 def size_of(reply: Any, where: str) -> int | None:
-    """A ``STRLEN`` reply as :meth:`~asynccache.store.api.BaseClient.sizes_many` says
+    """A ``STRLEN`` reply as `BaseClient.sizes_many()` says
     it: the size, or None for no value (missing, or a key of another type: a write
     replaces it); an error reply is a StoreError."""
     if type(reply) is int:

@@ -1,16 +1,16 @@
 """Redis / Valkey over TCP, TLS or a unix socket, on the lean pipelined RESP connection.
 
-Every command goes through :class:`~asynccache.store.redis.connection.RespConnection` (hiredis
-parsing, one timer per exchange, pipelined): redis-py's per-command cost (80–170 µs of
-CPU per call measured here) is most of a cached read's cost, and the handful of
-commands a cache needs (``MGET``, ``SET [PX]``, ``DEL``, ``PING``) are simple. Two
-connections per event loop: reads never queue behind a large write.
+Every command goes through `RespConnection` (hiredis parsing, one timer per exchange,
+pipelined): redis-py's per-command cost (80–170 µs of CPU per call measured here) is most of
+a cached read's cost, and the handful of commands a cache needs (``MGET``, ``SET [PX]``,
+``DEL``, ``PING``) are simple. Two connections per event loop: reads never queue behind a
+large write.
 
 Writes are one pipelined ``SET`` per key, so the server answers each key: a key it
 refuses (out of memory with a noeviction policy, over ``proto-max-bulk-len``) fails
 alone, as a ``StoreRejected`` naming the limit, while the others are written.
 
-The consumer-side read path (:meth:`RedisClient.consumer_reads`) uses the same endpoint
+The consumer-side read path (`RedisClient.consumer_reads()`) uses the same endpoint
 settings (TLS included) on a blocking socket of the consumer thread's own.
 """
 
@@ -74,9 +74,22 @@ class RedisClient(BaseClient[_RedisState]):
         item_size: int = 512 * 1024 * 1024,
         **options: Any,
     ) -> None:
-        """``password_env`` names an environment variable holding the password (read in
-        each process, never exported); ``tls`` (or ``ssl=True`` for the defaults: the
-        system's CAs, hostname checked) turns TLS on."""
+        """The server, and how to reach and authenticate to it.
+
+        Args:
+            host: the server's host.
+            port: its TCP port.
+            db: the database number.
+            username: the ACL user (``None``: the default user).
+            password: the password (kept out of reprs, logs and pickles).
+            password_env: an environment variable holding the password (read in each
+                process, never exported).
+            unix_socket_path: connect over this unix socket instead of TCP.
+            ssl: TLS with the defaults (the system's CAs, hostname checked).
+            tls: TLS with these settings.
+            item_size: the server's ``proto-max-bulk-len``: larger values are chunked.
+            **options: `BaseClient`'s: ``timeout``, ``connect_timeout``, ``max_batch``.
+        """
         super().__init__(**options)
         self.host = host
         self.port = port

@@ -1,5 +1,5 @@
 """Redis Cluster on the lean RESP path: redis-py keeps the slot map, every byte of data
-goes over one pipelined :class:`~asynccache.store.redis.connection.RespConnection` per primary.
+goes over one pipelined `RespConnection` per primary.
 
 Why it is built this way: docs/design.md, "Redis Cluster".
 """
@@ -76,8 +76,19 @@ class RedisClusterClient(BaseClient[ClusterState]):
         tls: TlsSettings | None = None,
         **options: Any,
     ) -> None:
-        """Credentials and TLS as for :class:`~asynccache.store.redis.client.RedisClient`; the
-        slot map (redis-py) and the data connections use the same settings."""
+        """Credentials and TLS as for `RedisClient`; the slot map (redis-py) and the data
+        connections use the same settings.
+
+        Args:
+            nodes: ``(host, port)`` of one or more startup nodes.
+            username: the ACL user (``None``: the default user).
+            password: the password (kept out of reprs, logs and pickles).
+            password_env: an environment variable holding the password.
+            ssl: TLS with the defaults (the system's CAs, hostname checked).
+            tls: TLS with these settings, to every node.
+            **options: `BaseClient`'s: ``timeout``, ``connect_timeout``, ``max_batch``
+                (default 512).
+        """
         options.setdefault("max_batch", 512)
         super().__init__(**options)
         self.nodes = [(str(h), int(p)) for h, p in nodes]
@@ -110,7 +121,7 @@ class RedisClusterClient(BaseClient[ClusterState]):
     def node_names(self) -> tuple[NodeName, ...]:
         """The primaries (``host:port``) of the latest slot map read in this process; the
         startup nodes until one was read. A failure before any map was read (no startup
-        node answers) is reported under :attr:`safe_url`."""
+        node answers) is reported under `safe_url`."""
         return self._primaries or tuple(NodeName(f"{h}:{p}") for h, p in self.nodes)
 
     # -- per-loop state: the slot map and one connection per primary -------------------
@@ -155,7 +166,7 @@ class RedisClusterClient(BaseClient[ClusterState]):
 
     def _sync_nodes(self, state: ClusterState) -> None:
         """One connection per primary of the current map; close the others. Publish the
-        map as a new :class:`SlotView` (the read paths' lookups)."""
+        map as a new `SlotView` (the read paths' lookups)."""
         primaries = {NodeName(n.name): n for n in state.topology.get_primaries()}
         for name in [name for name in state.nodes if name not in primaries]:
             state.nodes.pop(name).close()
@@ -233,7 +244,7 @@ class RedisClusterClient(BaseClient[ClusterState]):
     def consumer_reads(self) -> ConsumerReads | None:
         """Read-ahead on the consumer thread's own sockets: one blocking connection per
         primary (TLS as configured), routed by the slot map of the process's loop
-        thread, which keeps it fresh (see :class:`_ConsumerRoutes`)."""
+        thread, which keeps it fresh (see `_ConsumerRoutes`)."""
         loop = get_loop_thread()
         if loop.in_loop_thread():
             return None

@@ -93,8 +93,8 @@ class _Call(ABC):
     def fail(self, node: NodeName, error: StoreError, commands: Sequence[Command] | int) -> None:
         """``node`` failed for ``commands`` (or that many keys)."""
         self.failures.setdefault(node, error)
-        self.failed_keys += (commands if type(commands) is int
-                             else sum(len(c.positions) for c in commands))  # type: ignore[union-attr]
+        self.failed_keys += (commands if isinstance(commands, int)
+                             else sum(len(c.positions) for c in commands))
         if isinstance(error, StoreUnavailable | StoreTimeout):
             self.refresh_soon = True
 
@@ -173,7 +173,7 @@ class _Call(ABC):
     def handle(self, target: Target, command: Command, reply: Any,
                redirects: list[tuple[Command, Target]] | None) -> None:
         """One reply: a redirection is collected (or, on a retry, fails), an error about
-        the node fails its keys, anything else goes to :meth:`on_reply`."""
+        the node fails its keys, anything else goes to `on_reply()`."""
         node = target.node
         if is_error(reply):
             moved = _redirect(reply, target.host)
@@ -196,7 +196,7 @@ class _Call(ABC):
 class Read(_Call):
     """A read: per node, one pipelined exchange of a ``GET`` per key (an ``MGET`` per slot
     for a slot holding several keys of the batch), parsed in one pass; only the rare
-    error replies become :class:`Command` s, for the redirection and failure logic."""
+    error replies become `Command`s, for the redirection and failure logic."""
 
     def __init__(self, client: RedisClusterClient, state: ClusterState,
                  skip: Collection[NodeName], n: int) -> None:
@@ -281,12 +281,12 @@ class Read(_Call):
             else:
                 commands += [Command(slot, chunk, [pack_mget([keys[p] for p in chunk])])
                              for chunk in chunked(at, self.client.max_batch)]
-        return commands, b"".join([c.request[0] for c in commands]), len(commands)  # type: ignore[misc]
+        return commands, b"".join([c.request[0] for c in commands]), len(commands)
 
     def _scatter(self, target: Target, keys: Sequence[bytes], slots: list[int],
                  positions: list[int], commands: list[Command] | None, replies: list[Any],
                  redirects: list[tuple[Command, Target]]) -> None:
-        """A node's replies into the values; error replies to :meth:`handle`."""
+        """A node's replies into the values; error replies to `handle()`."""
         values = self.values
         if commands is None:
             if _ReplyError not in map(type, replies):

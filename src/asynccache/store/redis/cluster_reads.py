@@ -1,6 +1,6 @@
-"""Read-ahead on a Redis Cluster: pipelined ``GET`` s on one consumer-thread socket per
-primary (the Redis connection on the blocking transport), and :class:`UnservedKeys` for
-keys no connection serves.
+"""Read-ahead on a Redis Cluster: pipelined ``GET``s on one consumer-thread socket per
+primary (the Redis connection on the blocking transport), and `UnservedKeys` for keys no
+connection serves.
 
 A request to a node is one ``GET`` per key (a multi-key ``MGET`` must stay within one
 slot), and its replies are gathered into one list, so the prefetcher sees one reply per
@@ -8,7 +8,7 @@ node and per request, as from a single server. A ``GET`` answered with ``MOVED``
 ``CLUSTERDOWN`` or another error fails the request like a broken connection: the
 connection is dropped with everything on its wire (those keys are read again, directly,
 when asked for), and ``trouble`` asks the loop thread to re-read the slot map. Replies
-already parsed in the same :meth:`~BlockingClusterConnection.poll` are handed back first;
+already parsed in the same `BlockingClusterConnection.poll()` are handed back first;
 the failure is raised by the next call.
 """
 
@@ -53,7 +53,7 @@ _ReplyError = hiredis.ReplyError
 
 
 class _Gets(Request):
-    """``n`` pipelined ``GET`` s, answered by ``n`` replies gathered into one list."""
+    """``n`` pipelined ``GET``s, answered by ``n`` replies gathered into one list."""
 
     __slots__ = ("n",)
 
@@ -67,7 +67,7 @@ class BlockingClusterConnection(BlockingRespConnection):
 
     ``endpoint`` may be None for a connection not assigned to a node yet (the routing
     keeps a few spare ones for nodes that join the map later): it is never sent to
-    until :meth:`retarget` gives it one.
+    until `retarget()` gives it one.
     """
 
     def __init__(self, endpoint: RedisEndpoint | None, node: str, trouble: Trouble) -> None:
@@ -207,16 +207,16 @@ class UnservedKeys(AnsweredAtSend):
 
 class ConsumerRoutes:
     """``route(keys)`` for one consumer thread's reader (read-ahead on its own sockets),
-    and its connections: one :class:`BlockingClusterConnection` per primary.
+    and its connections: one `BlockingClusterConnection` per primary.
 
     The map is the one the loop thread's state keeps (redis-py's, as a
-    :class:`SlotView`); each request looks at its generation, and a new one (after a
+    `SlotView`); each request looks at its generation, and a new one (after a
     ``MOVED``, a failover, a node that left) is followed there and then: connections of
     nodes that left the map are closed and given to the nodes that joined it. The list
     of connections cannot grow once handed out (the source sized its state by it), so it
     holds spares: twice as many as there are primaries now (at least six). Keys of a
     slot no node serves, of a node no spare is left for, or all keys while no map could
-    be read yet, go to :class:`UnservedKeys`: the asyncio path reads them (loading the
+    be read yet, go to `UnservedKeys`: the asyncio path reads them (loading the
     map if need be), and what fails there fails only them.
     """
 

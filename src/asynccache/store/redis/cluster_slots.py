@@ -1,5 +1,5 @@
 """A Redis Cluster's slot map as this client keeps it: redis-py's topology, flattened for
-the hot paths (:class:`SlotView`), and the per-loop state built around it."""
+the hot paths (`SlotView`), and the per-loop state built around it."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
-"""Read-ahead on one Redis server: pipelined ``MGET`` s on a consumer thread's own socket
+"""Read-ahead on one Redis server: pipelined ``MGET``s on a consumer thread's own socket
 (plain, TLS or unix), on the blocking transport.
 
-Replies of small values are parsed by hiredis; once the values a connection reads are
-large (an estimate of the replies' first values past ``BIG_VALUE``) they are parsed by
-:class:`~asynccache.store.protocol.resp_bulk.BulkReader`, which receives each large value
-straight into a buffer of its own. The switch happens at a reply boundary, about once
-per connection.
+Replies of small values are parsed by hiredis; once the values a connection reads are large
+(an estimate of the replies' first values past ``BIG_VALUE``) they are parsed by
+`BulkReader`, which receives each large value straight into a buffer of its own. The switch
+happens at a reply boundary, about once per connection.
 """
 
 from __future__ import annotations

@@ -47,8 +47,8 @@ class _Waiter:
 
 
 class PipelinedProtocol(asyncio.Protocol):
-    """One connection's stream. A subclass sets :attr:`parser` (``feed``, ``gets``:
-    the next reply or False) and says what a parse error means (:meth:`unexpected`)."""
+    """One connection's stream. A subclass sets `parser` (``feed``, ``gets``:
+    the next reply or False) and says what a parse error means (`unexpected()`)."""
 
     parser: Any
 
@@ -118,7 +118,7 @@ class PipelinedProtocol(asyncio.Protocol):
 
 @dataclass(slots=True)
 class Sent:
-    """Commands written by :meth:`AsyncConnection.send_now`, their replies to come."""
+    """Commands written by `AsyncConnection.send_now()`, their replies to come."""
 
     proto: PipelinedProtocol
     future: asyncio.Future[list[Any]]
@@ -138,8 +138,8 @@ class Sent:
 class AsyncConnection:
     """One pipelined connection to one server, opened lazily in the running loop.
 
-    A subclass says which protocol speaks on it (:meth:`_protocol`) and what a new
-    connection sends first (:meth:`_setup`)."""
+    A subclass says which protocol speaks on it (`_protocol()`) and what a new
+    connection sends first (`_setup()`)."""
 
     def __init__(self, endpoint: Endpoint) -> None:
         self.endpoint = endpoint
@@ -215,7 +215,7 @@ class AsyncConnection:
     def send_now(self, buffers: Sequence[bytes | memoryview], n: int,
                  requests: Sequence[Any] = ()) -> Sent | None:
         """Write ``n`` packed commands now, if the connection is open (None otherwise:
-        use :meth:`execute_packed`); :meth:`result` waits for their replies. Sending to
+        use `execute_packed()`); `result()` waits for their replies. Sending to
         several nodes first and waiting after needs no Task per node."""
         proto = self._proto
         if proto is None or proto.failure is not None or not n:
@@ -227,7 +227,7 @@ class AsyncConnection:
         return Sent(proto, fut, timer, idle, before, buffers, n, requests)
 
     async def result(self, sent: Sent) -> list[Any]:
-        """The replies of what :meth:`send_now` sent (bounded by the timeout)."""
+        """The replies of what `send_now()` sent (bounded by the timeout)."""
         try:
             return await sent.future
         except StoreUnavailable:

@@ -52,8 +52,8 @@ class Request:
 class BlockingConnection(ConsumerConnection):
     """One socket, many requests in flight, replies matched to requests in order.
 
-    A subclass implements :meth:`_request` (keys -> a :class:`Request`), :meth:`_new_parser`
-    (a sans-IO parser with ``buffer()``/``received(n)``) and :meth:`_parse` (the oldest
+    A subclass implements `_request()` (keys -> a `Request`), `_new_parser()`
+    (a sans-IO parser with ``buffer()``/``received(n)``) and `_parse()` (the oldest
     request's reply, or False while it is incomplete: a reply is never False).
     """
 
@@ -91,7 +91,7 @@ class BlockingConnection(ConsumerConnection):
         self.pending.popleft()
         self._may_retry = False
         self._answered = True
-        return reply  # type: ignore[no-any-return]
+        return reply
 
     def _sent(self, request: Request) -> None:
         """``request`` is about to be written (again, after a reconnect)."""
@@ -143,8 +143,8 @@ class BlockingConnection(ConsumerConnection):
 
     # -- requests -----------------------------------------------------------------------------
     def send_get(self, keys: Sequence[bytes]) -> None:
-        """Queue one multi-get; its reply comes back, in order, from :meth:`poll` /
-        :meth:`receive`."""
+        """Queue one multi-get; its reply comes back, in order, from `poll()` /
+        `receive()`."""
         request = self._request(keys)
         if self.sock is not None and not self.pending and self._idle_closed():
             self._close_socket()  # the server closed it while idle: replace it quietly
@@ -253,7 +253,7 @@ class BlockingConnection(ConsumerConnection):
 
     def _read_one(self, deadline: float, what: str,
                   parse: Callable[[], Any] | None = None) -> Any:
-        """The next reply ``parse`` (default: :meth:`_parse`) makes of the bytes, waiting
+        """The next reply ``parse`` (default: `_parse()`) makes of the bytes, waiting
         for them until ``deadline``."""
         parse = parse or self._parse
         events = POLLIN

@@ -1,4 +1,4 @@
-"""Where and how to connect: one :class:`Endpoint` (host and port or a unix socket, TLS,
+"""Where and how to connect: one `Endpoint` (host and port or a unix socket, TLS,
 timeouts, the name used in messages) for every connection, blocking or asyncio, and what
 a failed connection means."""
 
@@ -110,7 +110,7 @@ def open_stream(host: str, port: int, *, tls: TlsSettings | None, connect_timeou
                 kind: str, where: str) -> socket.socket:
     """A connected non-blocking TCP socket, wrapped in TLS (handshake done) when ``tls``
     is set; TCP connect and handshake together within ``connect_timeout``. Failures are
-    StoreErrors that say what went wrong (see :func:`connect_failure`)."""
+    StoreErrors that say what went wrong (see `connect_failure()`)."""
     deadline = time.monotonic() + connect_timeout
     try:
         sock = socket.create_connection((host, port), connect_timeout)
