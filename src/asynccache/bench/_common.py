@@ -152,7 +152,7 @@ def _redis_store(name: str, url: str, private: bool) -> Store:
 
 
 def _memcached_store(url: str, private: bool) -> Store:
-    from pymemcache.client.base import (  # type: ignore[import-untyped]
+    from pymemcache.client.base import (
         Client as PymemcacheClient,
     )
 

@@ -56,7 +56,7 @@ from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Any, cast
 
-import psutil  # type: ignore[import-untyped]
+import psutil
 import torch
 from torch.utils.data import DataLoader
 
@@ -154,7 +154,7 @@ def _loader_label(workers: int, persistent: bool) -> str:
 
 
 def _epoch(
-    loader: DataLoader,  # type: ignore[type-arg]
+    loader: DataLoader,
     n: int,
     calls: Any,
     pids: Any,
@@ -226,7 +226,7 @@ def _run_config(
     store_before = _store_used(server)
     store_after = None
     generator = torch.Generator().manual_seed(SEED)  # both epochs draw from it in turn
-    loader: DataLoader | None = None  # type: ignore[type-arg]
+    loader: DataLoader | None = None
     epochs = []
     threads = torch.get_num_threads()
     try:

@@ -175,7 +175,7 @@ def ping_us(store: Store, samples: int = PING_SAMPLES) -> float:
         client: Any = redis.Redis.from_url(store.url)
         op = client.ping
     else:
-        from pymemcache.client.base import Client  # type: ignore[import-untyped]
+        from pymemcache.client.base import Client
 
         client = Client((store.host, store.port), timeout=10, no_delay=True)
         op = client.version

@@ -23,9 +23,9 @@ from typing import Any
 import aiomcache
 import redis
 import redis.asyncio as aioredis
-from aiocache import MemcachedCache, RedisCache  # type: ignore[import-untyped]
-from aiocache.serializers import PickleSerializer  # type: ignore[import-untyped]
-from pymemcache.client.base import (  # type: ignore[import-untyped]
+from aiocache import MemcachedCache, RedisCache
+from aiocache.serializers import PickleSerializer
+from pymemcache.client.base import (
     Client as PymemcacheClient,
 )
 

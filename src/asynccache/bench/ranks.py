@@ -86,12 +86,12 @@ def _rank(rank: int, job: dict[str, Any]) -> None:
                                         ac.connect(job["url"]), namespace=job["namespace"],
                                         lease=job["lease"], prefetch=job["prefetch"])
         shard = (1, 0) if job["same_shard"] else (job["world"], rank)  # (replicas, rank)
-        sampler = DistributedSampler(dp, num_replicas=shard[0], rank=shard[1], shuffle=True,
-                                     seed=7)
+        sampler: DistributedSampler[int] = DistributedSampler(
+            dp, num_replicas=shard[0], rank=shard[1], shuffle=True, seed=7)
         loader = DataLoader(dp, batch_size=job["batch"], sampler=sampler,
                             num_workers=job["workers"], persistent_workers=True,
                             collate_fn=list, multiprocessing_context="fork")
-        if job["follow"]:
+        if job["follow"] and loader.batch_sampler is not None:
             dp.set_order(loader.batch_sampler)
         report: dict[str, Any] = {"epochs": []}
         for epoch in range(job["epochs"]):

@@ -70,8 +70,8 @@ async def asynccache_lookup(url: str, counter: Counter) -> tuple[Lookup, Callabl
 async def aiocache_lookup(url: str, counter: Counter) -> tuple[Lookup, Callable[[], Any]]:
     from urllib.parse import urlsplit
 
-    from aiocache import RedisCache, cached  # type: ignore[import-untyped]
-    from aiocache.serializers import PickleSerializer  # type: ignore[import-untyped]
+    from aiocache import RedisCache, cached
+    from aiocache.serializers import PickleSerializer
 
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 6379

@@ -121,7 +121,7 @@ def _dataloader_case(url: str, namespace: str, n: int, workers: int, follow: boo
 
 
 def _in_process_cases(url: str, namespace: str, n: int, reps: int) -> dict[str, Any]:
-    from torchdata.nodes import (  # type: ignore[import-untyped]
+    from torchdata.nodes import (
         Loader,
         Mapper,
         SamplerWrapper,

@@ -40,7 +40,7 @@ from multiprocessing.context import BaseContext
 from typing import Any
 
 import numpy as np
-import psutil  # type: ignore[import-untyped]
+import psutil
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
@@ -90,7 +90,7 @@ def decode(index: int) -> dict[str, Any]:
 _calls: Any = None
 
 
-class SyntheticImages(Dataset):  # type: ignore[type-arg]
+class SyntheticImages(Dataset):
     """``n`` items made by `decode`; calls in DataLoader workers are counted."""
 
     def __init__(self, n: int) -> None:
@@ -109,7 +109,7 @@ class SyntheticImages(Dataset):  # type: ignore[type-arg]
         return decode(index)
 
 
-class InMemoryCache(Dataset):  # type: ignore[type-arg]
+class InMemoryCache(Dataset):
     """A dict filled on miss, like ``InMemoryCacheHolder``: one private copy per process."""
 
     def __init__(self, source: Any) -> None:
@@ -264,7 +264,7 @@ def run_epoch(
 
 
 def timed_pass(
-    loader: DataLoader, pids: Any, progress: Progress | None = None  # type: ignore[type-arg]
+    loader: DataLoader, pids: Any, progress: Progress | None = None
 ) -> tuple[float, int, list[int]]:
     """One pass over ``loader``: (seconds, checksum, peak RSS in bytes of each worker).
 

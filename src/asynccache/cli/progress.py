@@ -35,7 +35,7 @@ REDRAW = 0.2
 
 def tqdm_available() -> bool:
     try:
-        import tqdm  # type: ignore[import-untyped]  # noqa: F401
+        import tqdm  # noqa: F401
     except ImportError:
         return False
     return True
@@ -112,9 +112,9 @@ class _Counter:
 
 
 def _tqdm_display(total: float | None, desc: str, unit: str, file: TextIO) -> _Display:
-    from tqdm import tqdm  # type: ignore[import-untyped]
+    from tqdm import tqdm
 
-    class Bar(tqdm):  # type: ignore[misc]
+    class Bar(tqdm):
         # no monitor thread: it would be alive in every process forked while it runs
         monitor_interval = 0
 
