@@ -15,6 +15,7 @@ check transfers no values (a few bytes per key: ``EXISTS``/``STRLEN``, memcached
 ``mg``), so resuming over a 140 GB namespace does not download it; ``--verify`` reads
 and decodes them instead.
 Progress goes to stderr (tqdm when installed, else a counter); never with ``--json``.
+``--near NEAR_URL`` fills ``Tiered(near, URL)``: both tiers; a key either holds is skipped.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ..errors import StoreError
 from ._common import (
     EXIT_OK,
     add_common_options,
+    add_near_option,
     client_for,
     emit,
     failed,
@@ -84,6 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="read and decode every value already there before skipping it "
                         "(downloads them; default: sizes only, no value transferred)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_near_option(parser)
     add_common_options(parser)
 
 
@@ -101,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     except StoreError as exc:
         return failed(args, f"cannot reach {url}: {exc}", url=url, namespace=args.namespace)
     job = WarmJob(args.url, args.dataset, args.namespace, args.ttl, args.secret_env,
-                  args.workers, args.batch, args.timeout, args.verify)
+                  args.workers, args.batch, args.timeout, args.verify, args.near)
     started = time.perf_counter()
     outcome = _run_workers(job, total, show=not (args.json or args.no_progress))
     seconds = time.perf_counter() - started
