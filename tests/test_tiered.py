@@ -397,3 +397,28 @@ def test_warm_stats_and_flush_work_on_both_tiers(
     after = run_cli("stats", far_url, "--near", near_url, "--namespace", namespace,
                     cwd=tmp_path)
     assert after["keys"] == 0 and after["near"]["keys"] == 0
+
+
+# -- the benchmark module -------------------------------------------------------------------------
+@pytest.mark.timeout(180)
+def test_the_tiered_bench_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``asynccache bench --only tiered`` end to end in its smoke size: the shape of its
+    results only, never a timing."""
+    from asynccache.__main__ import main
+
+    code = main(["bench", "--smoke", "--only", "tiered", "--servers", "redis", "--no-progress",
+                 "--out", str(tmp_path)])
+    assert code == 0, capsys.readouterr().out
+    doc = json.loads((tmp_path / "results.json").read_text())
+    entry = doc["modules"]["tiered"]
+    assert "error" not in entry, entry.get("error")
+    (level,) = entry["results"]["levels"]
+    assert level["rtt_added_s"] == 1e-3 and level["ping_us"] > 0
+    assert set(level["cases"]) == {"far alone", "tiered, warm from near", "tiered, near empty",
+                                   "near alone"}
+    assert all(case["epoch_s"] > 0 for case in level["cases"].values())
+    items = entry["results"]["config"]["items"]
+    # copied in DataLoader workers, reported as of their last report: most, maybe not all
+    assert level["copied_per_empty_epoch"] and all(
+        0 < copied <= items for copied in level["copied_per_empty_epoch"])
+    assert entry["plots"] and "Near/far tier" in (tmp_path / "summary.md").read_text()

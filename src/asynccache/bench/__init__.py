@@ -23,7 +23,9 @@ written separately) and ``workers`` (warm shuffled epochs with 2 and 4 workers, 
 without read-ahead that follows the sampler, at loopback and +1 ms; the node against the
 pipe and a plain Mapper) and ``local`` (one machine, no network: LMDB against Redis on a
 unix socket, warm, through a DataLoader with 2 workers and ``dp[i]`` in process, at 4
-KiB and 256 KiB).
+KiB and 256 KiB) and ``tiered`` (``Tiered(lmdb, redis)`` against the far Redis alone
+behind the latency proxy at +0.2 ms and +1 ms: warm epochs from near, a first epoch
+copying into near).
 
 Method, everywhere: values are written once, then read warm. Every case gets warm-up
 runs, then the cases of one comparison are timed round-robin (A B C A B C ...) so that
@@ -38,4 +40,5 @@ from __future__ import annotations
 __all__ = ["MODULES"]
 
 #: benchmark modules in the order a full run goes through them
-MODULES = ("goals", "core", "datapipe", "latency", "network", "dataloader", "workers", "local")
+MODULES = ("goals", "core", "datapipe", "latency", "network", "dataloader", "workers", "local",
+           "tiered")
