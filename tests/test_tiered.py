@@ -265,6 +265,26 @@ def test_far_black_holed_costs_a_timeout_then_near_alone(
         assert sorted(computed(log)) == list(range(N))  # the first half came from near
 
 
+def test_near_killed_far_serves_everything(
+        far_server: servers.RedisServer, namespace: str, tmp_path: Path) -> None:
+    log = tmp_path / "log"
+    with servers.start_redis(prefer="embedded") as near_server:
+        client = ac.Tiered(ac.connect(near_server.url, timeout=TIMEOUT,
+                                      connect_timeout=TIMEOUT), ac.connect(far_server.url))
+        with ac.AsyncKVCacheMapDataPipe(Source(log=str(log)), client,
+                                        namespace=namespace) as dp:
+            dp.__getitems__(list(range(N)))
+        near_server.kill()
+        with ac.AsyncKVCacheMapDataPipe(Source(log=str(log)), client,
+                                        namespace=namespace) as dp:
+            assert all(right(dp[i], i) for i in range(N))
+            assert all(right(v, i) for i, v in enumerate(dp.__getitems__(list(range(N)))))
+        stats = dp.stats()
+    assert sorted(computed(log)) == list(range(N))  # nothing computed again: far had it all
+    assert stats["errors"] >= 1 and stats["tier_far_hits"] >= N
+    assert stats.get("tier_copies", 0) == 0  # never copied into a node that is down
+
+
 # -- the pipe in DataLoader workers, the node, leases ---------------------------------------------
 def _listed(batch: list[Any]) -> list[Any]:
     return batch
