@@ -63,8 +63,8 @@ class Tiered(BaseClient[_Copies]):
     ``far`` what every machine shares (a Redis, a cluster, a memcached pool). Both are
     clients from :func:`asynccache.connect` (or another ``Tiered``)::
 
-        client = ac.Tiered(ac.connect("lmdb:///scratch/cache?map_size=200GiB"),
-                           ac.connect("redis+cluster://h1:7000,h2:7001"))
+        near = ac.connect(f"lmdb://{Path.home()}/.cache/asynccache?map_size=200GiB")
+        client = ac.Tiered(near, ac.connect("redis+cluster://h1:7000,h2:7001"))
 
     * reads: one read of near, then one read of far for the keys near lacks (or could
       not read); far's hits are copied into near after the read returns, at most
@@ -76,11 +76,11 @@ class Tiered(BaseClient[_Copies]):
     * its nodes are near's and far's: with far down, far's nodes back off like any
       node's and near serves what it holds; keys it lacks are then not read (computed).
 
-    Counters (in the ``stats()`` of the cache or pipe that read): ``tier_near_hits``,
-    ``tier_far_hits``, ``tier_copies`` (values copied into near), ``tier_near_refused``
-    (values near refused: full), ``tier_near_dropped`` (values not written to near:
-    copies over ``max_copy_bytes``, or near refusing or failing lately),
-    ``tier_copy_failed`` (copies near failed to take).
+    Counters, in keys (a chunked value's chunks count too), in the ``stats()`` of the
+    cache or pipe that read: ``tier_near_hits``, ``tier_far_hits``, ``tier_copies``
+    (copied into near), ``tier_near_refused`` (refused by near: full),
+    ``tier_near_dropped`` (not written to near: copies over ``max_copy_bytes``, or near
+    refusing or failing lately), ``tier_copy_failed`` (copies near failed to take).
 
     A value overwritten in far by another machine stays in this machine's near until it
     expires there: give ``copy_ttl``, or use versioned namespaces (values never change
