@@ -1,5 +1,6 @@
-"""One contract for every store: the built-ins, LMDB and a provider from outside the
-package (``tests/outside_provider``, a SQLite file), all on real stores.
+"""One contract for every store: the built-ins, LMDB, a provider from outside the
+package (``tests/outside_provider``, a SQLite file) and ``Tiered`` (LMDB in front of
+Redis, Valkey in front of memcached), all on real stores.
 
 The tests are plain functions that run their own event loop (``asyncio.run``), so the
 fork test forks a process that has no loop running.
@@ -13,6 +14,7 @@ import pickle
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl, quote, urlsplit
 
 import pytest
 
@@ -21,15 +23,25 @@ from asynccache.store.registry import unregister_scheme
 from conftest import url_for
 from outside_provider.sqlite_store import SqliteStore
 
-STORES = ["redis", "memcached", "cluster", "memory", "lmdb", "sqlite"]
-SHARED = {"redis", "memcached", "cluster", "lmdb", "sqlite"}  # seen by other processes
+STORES = ["redis", "memcached", "cluster", "memory", "lmdb", "sqlite", "tiered",
+          "tiered-valkey"]
+SHARED = {"redis", "memcached", "cluster", "lmdb", "sqlite", "tiered", "tiered-valkey"}
+
+
+def tiered(url: str, **options: Any) -> ac.BaseClient:
+    """``tiered-contract://?near=URL&far=URL`` (each quoted): ``ac.Tiered`` of the two, so
+    that the contract's ``ac.connect(url)`` builds one."""
+    query = dict(parse_qsl(urlsplit(url).query))
+    return ac.Tiered(ac.connect(query["near"], **options), ac.connect(query["far"], **options))
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _sqlite_scheme() -> Iterator[None]:
+def _schemes() -> Iterator[None]:
     ac.register_scheme("sqlite", SqliteStore.from_url)
+    ac.register_scheme("tiered-contract", tiered)
     yield
     unregister_scheme("sqlite")
+    unregister_scheme("tiered-contract")
 
 
 @pytest.fixture(params=STORES)
@@ -38,7 +50,21 @@ def contract_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return f"lmdb://{tmp_path}/lmdb?map_size=64MiB"
     if request.param == "sqlite":
         return f"sqlite://{tmp_path}/store.db"
-    return url_for(request.param, request)
+    if request.param == "tiered":
+        near, far = f"lmdb://{tmp_path}/near?map_size=64MiB", url_for("redis", request)
+    elif request.param == "tiered-valkey":
+        near, far = url_for("valkey", request), url_for("memcached", request)
+    else:
+        return url_for(request.param, request)
+    return f"tiered-contract://?near={quote(near, safe='')}&far={quote(far, safe='')}"
+
+
+def config(client: Any) -> Any:
+    """What a client's pickle carries, clients inside it (a tiered one's) by theirs."""
+    if isinstance(client, ac.BaseClient):
+        return type(client), {name: config(value)
+                              for name, value in client.__getstate__().items()}
+    return client
 
 
 def run(client: ac.BaseClient, body: Callable[[ac.BaseClient], Awaitable[Any]]) -> Any:
@@ -125,7 +151,7 @@ def test_pickle_round_trip_is_configuration(contract_url: str, namespace: str) -
     run(client, write)
     clone = pickle.loads(pickle.dumps(client))
     assert type(clone) is type(client) and clone.safe_url == client.safe_url
-    assert clone.__getstate__() == client.__getstate__()
+    assert config(clone) == config(client)
 
     async def read(c: ac.BaseClient) -> list[bytes | None]:
         return await c.get_many([key])

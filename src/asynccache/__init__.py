@@ -56,6 +56,7 @@ from .store.memory import MemoryClient
 from .store.provider import Provider
 from .store.redis.client import RedisClient
 from .store.registry import register_scheme
+from .store.tiered import Tiered
 
 if _TYPE_CHECKING:  # loaded lazily by __getattr__ below (torch, redis-py)
     from .readahead.datapipe import AsyncKVCacheMapDataPipe
@@ -90,6 +91,7 @@ __all__ = [
     "StoreRejected",
     "StoreTimeout",
     "StoreUnavailable",
+    "Tiered",
     "Unsupported",
     "ValueTooLarge",
     "__version__",

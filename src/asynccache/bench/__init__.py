@@ -28,7 +28,9 @@ against the same service on aiocache and on plain ``redis.asyncio``, under ``wrk
 -c64``: req/s, p50, p99, computations in a stampede on one cold key; and the cost of
 ``import asynccache``) and ``ranks`` (a distributed job, 2 ranks x 2 persistent workers
 with a ``DistributedSampler``: the share of warm reads served by read-ahead that follows
-``set_epoch``).
+``set_epoch``) and ``tiered`` (``Tiered(lmdb, redis)`` against the far Redis alone behind
+the latency proxy at +0.2 ms and +1 ms: warm epochs from near, a first epoch copying into
+near).
 
 Method, everywhere: values are written once, then read warm. Every case gets warm-up
 runs, then the cases of one comparison are timed round-robin (A B C A B C ...) so that
@@ -44,4 +46,4 @@ __all__ = ["MODULES"]
 
 #: benchmark modules in the order a full run goes through them
 MODULES = ("goals", "core", "datapipe", "latency", "network", "dataloader", "workers", "local",
-           "services", "ranks")
+           "services", "ranks", "tiered")

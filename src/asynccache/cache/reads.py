@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DecodeError, FormatMismatch, StoreError
+from ..store.api import STORE_COUNTS
 from . import chunks
 from .codec import ChunkManifest
 from .markers import MISSING, NOT_READ, Failed
@@ -41,7 +42,11 @@ class ReadPath:
         started = time.perf_counter_ns()
         async with cache._loop().in_flight:
             sent = time.perf_counter_ns()
-            result = await cache.client.read(store_keys, policy.down())
+            counts = STORE_COUNTS.set(cache.counters.add)  # the store's own counts: ours
+            try:
+                result = await cache.client.read(store_keys, policy.down())
+            finally:
+                STORE_COUNTS.reset(counts)
         done = time.perf_counter_ns()
         if result.answered or result.failures:  # a request left (not every node skipped)
             cache.histograms.record("read", done - sent)

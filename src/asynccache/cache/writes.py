@@ -27,7 +27,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import DecodeError, StoreError, StoreTimeout
-from ..store.api import NodeName, WriteResult
+from ..store.api import STORE_COUNTS, NodeName, WriteResult
 from . import chunks
 
 if TYPE_CHECKING:
@@ -210,7 +210,11 @@ class Writer:
         first_error: StoreError | None = None
         for part in _requests(entries, client.max_batch * 4):
             sent = time.perf_counter_ns()
-            result = await client.write(part, ttl, policy.down())
+            counts = STORE_COUNTS.set(cache.counters.add)  # the store's own counts: ours
+            try:
+                result = await client.write(part, ttl, policy.down())
+            finally:
+                STORE_COUNTS.reset(counts)
             if result.answered or result.failures or result.rejected:
                 cache.histograms.record("write", time.perf_counter_ns() - sent)
             if not self._count(part, result):

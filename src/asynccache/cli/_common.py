@@ -19,12 +19,14 @@ from ..errors import CacheError, ConfigError, StoreError, Unsupported
 from ..store.api import BaseClient
 from ..store.connect import connect
 from ..store.credentials import mask_text, mask_url
+from ..store.tiered import Tiered
 
 __all__ = [
     "EXIT_FAILED",
     "EXIT_OK",
     "EXIT_USAGE",
     "add_common_options",
+    "add_near_option",
     "client_for",
     "emit",
     "failed",
@@ -34,6 +36,7 @@ __all__ = [
     "positive_float",
     "positive_int",
     "store_url",
+    "tiers_of",
     "usage_error",
 ]
 
@@ -93,12 +96,31 @@ def add_common_options(parser: argparse.ArgumentParser, *, timeout: bool = True)
                             "(default: the URL's timeout= or 1 s)")
 
 
+def add_near_option(parser: argparse.ArgumentParser) -> None:
+    """``--near URL``: the command works on ``Tiered(near, URL)``, each tier reported."""
+    parser.add_argument("--near", metavar="NEAR_URL", type=store_url, default=None,
+                        help="the store of this machine in front of URL (asynccache.Tiered"
+                        "(near, far)): both tiers, each reported")
+
+
 def client_for(args: argparse.Namespace) -> BaseClient[Any]:
-    """The client for ``args.url``, with ``--timeout`` applied when given."""
+    """The client for ``args.url``, with ``--timeout`` applied when given; with
+    ``--near``, ``Tiered(near, url)``."""
     options: dict[str, float] = {}
     if getattr(args, "timeout", None) is not None:
         options = {"timeout": args.timeout, "connect_timeout": args.timeout}
-    return connect(args.url, **options)
+    client = connect(args.url, **options)
+    near = getattr(args, "near", None)
+    return client if near is None else Tiered(connect(near, **options), client)
+
+
+def tiers_of(client: BaseClient[Any]) -> list[tuple[str | None, BaseClient[Any]]]:
+    """``[("far", far), ("near", near)]`` of a tiered client (far first: a flush then
+    leaves nothing a read on this machine could copy back into near), else
+    ``[(None, client)]``."""
+    if isinstance(client, Tiered):
+        return [("far", client.far), ("near", client.near)]
+    return [(None, client)]
 
 
 def emit(args: argparse.Namespace, document: dict[str, Any], text: str) -> None:

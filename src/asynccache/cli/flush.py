@@ -9,6 +9,9 @@ The prompt names the count and the prefix; ``--yes`` skips it. ``--json`` needs 
 (or ``--dry-run``): a script cannot answer a prompt, and deleting without being asked
 must be said explicitly. With the prompt, the keys deleted are those counted for it;
 keys written after the listing are left (run it again, or stop the writers first).
+
+With ``--near NEAR_URL`` (a tiered client, :class:`asynccache.Tiered`) both tiers are
+flushed, near then far (each with its own prompt), and reported under ``"tiers"``.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ from ._common import (
     EXIT_FAILED,
     EXIT_OK,
     add_common_options,
+    add_near_option,
     client_for,
     emit,
     failed,
     guarded,
     namespace_arg,
     store_url,
+    tiers_of,
     usage_error,
 )
 
@@ -50,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not ask for confirmation (required with --json)")
     parser.add_argument("--dry-run", action="store_true",
                         help="only count the keys that would be deleted")
+    add_near_option(parser)
     add_common_options(parser)
 
 
@@ -65,28 +71,51 @@ async def _flush(args: argparse.Namespace) -> int:
     client = client_for(args)
     prefix = namespace_prefix(args.namespace)
     where = {"url": client.safe_url, "namespace": args.namespace, "prefix": prefix.decode()}
+    tiers: dict[str, dict[str, Any]] = {}
     try:
-        if args.yes and not args.dry_run:
-            deleted = await _delete_as_listed(client, prefix)
-        else:
-            keys = await _list(client, prefix)
-            if args.dry_run:
-                emit(args, {**where, "keys": len(keys), "deleted": 0},
-                     f"{len(keys):,} keys under {prefix.decode()} on {client.safe_url} "
-                     "(dry run: nothing deleted)")
-                return EXIT_OK
-            if keys and not _confirm(len(keys), prefix, client.safe_url):
-                print("nothing deleted", file=sys.stderr)
-                return EXIT_FAILED
-            deleted = await _delete(client, keys)
+        for tier, store in tiers_of(client):  # with --near: far (the URL), then near
+            code, done = await _flush_one(args, store, prefix)
+            if code != EXIT_OK:
+                return code
+            if tier is not None:
+                tiers[tier] = {"url": store.safe_url, **done}
     except StoreError as exc:
         return failed(args, f"flush of {prefix.decode()} on {client.safe_url} failed: {exc}",
                       **where)
     finally:
         await client.close()
-    emit(args, {**where, "deleted": deleted},
-         f"deleted {deleted:,} keys under {prefix.decode()} on {client.safe_url}")
+    document: dict[str, Any] = {**where, **done}
+    if tiers:
+        document = {**where, "keys": sum(t["keys"] for t in tiers.values()),
+                    "deleted": sum(t["deleted"] for t in tiers.values()), "tiers": tiers}
+    if args.dry_run:
+        text = "\n".join(f"{t['keys']:,} keys under {prefix.decode()} on {t['url']}"
+                         for t in _listed(tiers, document)) + " (dry run: nothing deleted)"
+    else:
+        text = "\n".join(f"deleted {t['deleted']:,} keys under {prefix.decode()} on {t['url']}"
+                         for t in _listed(tiers, document))
+    emit(args, document, text)
     return EXIT_OK
+
+
+def _listed(tiers: dict[str, dict[str, Any]], document: dict[str, Any]
+            ) -> list[dict[str, Any]]:
+    return list(tiers.values()) if tiers else [document]
+
+
+async def _flush_one(args: argparse.Namespace, client: BaseClient[Any], prefix: bytes
+                     ) -> tuple[int, dict[str, int]]:
+    """One store: (exit code, {"keys": listed, "deleted": deleted})."""
+    if args.yes and not args.dry_run:
+        deleted = await _delete_as_listed(client, prefix)
+        return EXIT_OK, {"keys": deleted, "deleted": deleted}
+    keys = await _list(client, prefix)
+    if args.dry_run:
+        return EXIT_OK, {"keys": len(keys), "deleted": 0}
+    if keys and not _confirm(len(keys), prefix, client.safe_url):
+        print("nothing deleted", file=sys.stderr)
+        return EXIT_FAILED, {}
+    return EXIT_OK, {"keys": len(keys), "deleted": await _delete(client, keys)}
 
 
 async def _list(client: BaseClient[Any], prefix: bytes) -> list[bytes]:

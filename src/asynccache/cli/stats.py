@@ -12,6 +12,9 @@ Two sources, because they answer different questions:
   ones that already exited (non-persistent DataLoader workers leave their final
   counters behind while the job runs): ``"processes"`` counts the running ones,
   ``"exited_processes"`` the others. No job here: ``"boards": 0``.
+
+With ``--near NEAR_URL`` (a tiered client, `asynccache.Tiered`) each tier is listed
+on its own: the URL's counts as without it, near's under ``"near"``.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ from ..cache.keys import namespace_prefix
 from ..errors import StoreError
 from ..observe.board import StatsBoard
 from ..observe.board import _alive as alive
+from ..store.api import BaseClient
 from ._common import (
     EXIT_OK,
     add_common_options,
+    add_near_option,
     client_for,
     emit,
     failed,
@@ -34,6 +39,7 @@ from ._common import (
     human_bytes,
     namespace_arg,
     store_url,
+    tiers_of,
 )
 
 __all__ = ["add_arguments", "key_kind", "local_counters", "run"]
@@ -49,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("url", metavar="URL", type=store_url, help="store URL")
     parser.add_argument("--namespace", "-n", required=True, type=namespace_arg,
                         help="the namespace of the pipe or node (its keys are ac:NS:*)")
+    add_near_option(parser)
     add_common_options(parser)
 
 
@@ -71,24 +78,20 @@ def key_kind(prefix: bytes, key: bytes) -> str:
     return "hashed" if rest.startswith(b"#") else "value"
 
 
-async def _count(args: argparse.Namespace, prefix: bytes) -> dict[str, Any]:
-    client = client_for(args)
+async def _count(client: BaseClient[Any], prefix: bytes) -> dict[str, Any]:
     kinds = dict.fromkeys(("value", "chunk", "lease", "hashed"), 0)
     seen: set[bytes] = set()  # SCAN may list a key twice while the server rehashes
     total_bytes = unknown = 0
-    try:
-        async for page in client.scan(prefix):
-            for key, size in page:
-                if key in seen:
-                    continue
-                seen.add(key)
-                kinds[key_kind(prefix, key)] += 1
-                if size is None:
-                    unknown += 1
-                else:
-                    total_bytes += size
-    finally:
-        await client.close()
+    async for page in client.scan(prefix):
+        for key, size in page:
+            if key in seen:
+                continue
+            seen.add(key)
+            kinds[key_kind(prefix, key)] += 1
+            if size is None:
+                unknown += 1
+            else:
+                total_bytes += size
     return {"url": client.safe_url, "keys": len(seen), "bytes": total_bytes,
             "values": kinds["value"], "chunks": kinds["chunk"], "leases": kinds["lease"],
             "hashed": kinds["hashed"], "unknown_sizes": unknown}
@@ -122,24 +125,40 @@ def local_counters(namespace: str) -> dict[str, Any]:
 
 async def _stats(args: argparse.Namespace) -> int:
     prefix = namespace_prefix(args.namespace)
+    client = client_for(args)
+    counted: dict[str | None, dict[str, Any]] = {}
+    where = client.safe_url
     try:
-        store = await _count(args, prefix)
+        for tier, store in tiers_of(client):  # with --near: each tier on its own
+            where = store.safe_url
+            counted[tier] = await _count(store, prefix)
     except StoreError as exc:
-        return failed(args, f"cannot list {prefix.decode()} on {client_for(args).safe_url}: "
-                      f"{exc}", namespace=args.namespace)
-    document = {**store, "namespace": args.namespace, "prefix": prefix.decode(),
-                **local_counters(args.namespace)}
+        return failed(args, f"cannot list {prefix.decode()} on {where}: {exc}",
+                      namespace=args.namespace)
+    finally:
+        await client.close()
+    document = {**counted.get(None, counted.get("far", {})), "namespace": args.namespace,
+                "prefix": prefix.decode(), **local_counters(args.namespace)}
+    if "near" in counted:  # the URL's counts above are far's; near's apart
+        document["near"] = counted["near"]
     emit(args, document, _text(document))
     return EXIT_OK
 
 
-def _text(doc: dict[str, Any]) -> str:
+def _store_line(doc: dict[str, Any], prefix: str, tier: str = "") -> str:
     parts = [f"{doc['values']:,} values", f"{doc['chunks']:,} chunks",
              f"{doc['leases']:,} leases"]
     if doc["hashed"]:
         parts.append(f"{doc['hashed']:,} in memcached's digest form")
-    lines = [f"{doc['prefix']} on {doc['url']}: {doc['keys']:,} keys, "
-             f"{human_bytes(doc['bytes'])} ({', '.join(parts)})"]
+    return (f"{prefix} on {doc['url']}{tier}: {doc['keys']:,} keys, "
+            f"{human_bytes(doc['bytes'])} ({', '.join(parts)})")
+
+
+def _text(doc: dict[str, Any]) -> str:
+    near = doc.get("near")
+    lines = [_store_line(doc, doc["prefix"], " (far)" if near else "")]
+    if near:
+        lines.append(_store_line(near, doc["prefix"], " (near)"))
     lines.append(_reporters(doc))
     if doc["ignored_files"]:
         lines.append(f"({doc['ignored_files']:,} stats board files that did not parse were "

@@ -17,6 +17,7 @@ and decodes them instead.
 Progress goes to stderr (tqdm when installed, else a counter; `asynccache.cli.progress`);
 never with ``--json``. Workers do not print: they send their messages to this process,
 which writes them above the bar, each on a line of its own.
+``--near NEAR_URL`` fills ``Tiered(near, URL)``: both tiers; a key either holds is skipped.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ..errors import StoreError
 from ._common import (
     EXIT_OK,
     add_common_options,
+    add_near_option,
     client_for,
     emit,
     failed,
@@ -87,6 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="read and decode every value already there before skipping it "
                         "(downloads them; default: sizes only, no value transferred)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_near_option(parser)
     add_common_options(parser)
 
 
@@ -104,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     except StoreError as exc:
         return failed(args, f"cannot reach {url}: {exc}", url=url, namespace=args.namespace)
     job = WarmJob(args.url, args.dataset, args.namespace, args.ttl, args.secret_env,
-                  args.workers, args.batch, args.timeout, args.verify)
+                  args.workers, args.batch, args.timeout, args.verify, args.near)
     started = time.perf_counter()
     outcome = _run_workers(job, total, show=not (args.json or args.no_progress))
     seconds = time.perf_counter() - started

@@ -18,7 +18,9 @@ from ..cache.core import AsyncKVCache
 from ..cache.keys import chunk_keys
 from ..cache.markers import MISSING, Failed
 from ..errors import ConfigError, EncodeError, StoreError
+from ..store.api import BaseClient
 from ..store.connect import connect
+from ..store.tiered import Tiered
 
 __all__ = ["WarmJob", "indices_of", "load_dataset", "run_share"]
 
@@ -42,6 +44,8 @@ class WarmJob:
     batch: int
     timeout: float | None
     verify: bool = False
+    #: ``--near``: fill ``Tiered(connect(near), connect(url))``
+    near: str | None = None
 
 
 def load_dataset(spec: str) -> Any:
@@ -102,7 +106,9 @@ class _Share:
                  messages: Any) -> None:
         options = {} if job.timeout is None else {"timeout": job.timeout,
                                                   "connect_timeout": job.timeout}
-        self.client = connect(job.url, **options)
+        self.client: BaseClient[Any] = connect(job.url, **options)
+        if job.near is not None:
+            self.client = Tiered(connect(job.near, **options), self.client)
         codec = Codec.from_env(job.secret_env) if job.secret_env else None
         self.cache = AsyncKVCache(self.client, job.namespace, job.ttl, codec, on_error="raise")
         self.dataset = dataset

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
@@ -28,6 +29,7 @@ __all__ = [
     "DEFAULT_CONNECT_TIMEOUT",
     "DEFAULT_TIMEOUT",
     "NOT_READ",
+    "STORE_COUNTS",
     "AnsweredAtSend",
     "BaseClient",
     "ConsumerConnection",
@@ -36,6 +38,7 @@ __all__ = [
     "ReadResult",
     "SimpleStore",
     "WriteResult",
+    "count",
     "read_one_node",
     "write_one_node",
 ]
@@ -51,6 +54,23 @@ T = TypeVar("T")
 #: URL (password masked) of a single server. Failures are counted, and backed off, per
 #: node: by the cache's failure policy, under this name.
 NodeName = NewType("NodeName", str)
+
+
+#: Where a store adds counts of its own (a tiered client's copies into its near store): a
+#: cache sets its counters' ``add`` here around each read and write it sends, so that
+#: what the store counts -- later too, in a task the request started, which inherits the
+#: context -- lands in that cache's ``stats()``. Unset (a bare client, the command line):
+#: the counts are not kept.
+STORE_COUNTS: contextvars.ContextVar[Callable[[str, int], None] | None] = (
+    contextvars.ContextVar("asynccache_store_counts", default=None))
+
+
+def count(name: str, n: int) -> None:
+    """Add ``n`` to the counter ``name`` of the cache whose request is running, if any."""
+    if n:
+        add = STORE_COUNTS.get()
+        if add is not None:
+            add(name, n)
 
 
 class NOT_READ(Sentinel, metaclass=Sentinel):

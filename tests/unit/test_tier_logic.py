@@ -1,0 +1,252 @@
+"""``Tiered(near, far)``'s logic on in-process stores: which tier a read asks, what a
+key that was not read becomes, what is copied and what is dropped, how writes merge.
+
+The acceptance tests (real servers, killed and black-holed): tests/test_tiered.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+from collections.abc import Collection, Mapping
+from typing import Any
+
+import pytest
+
+import asynccache as ac
+from asynccache.store.api import NOT_READ, STORE_COUNTS, NodeName, WriteResult
+from asynccache.store.tiered import Tiered
+
+
+class Refusing(ac.MemoryClient):
+    """A near store that is full: every value refused (as LMDB's MapFull, Redis' OOM)."""
+
+    async def write(self, entries: Mapping[bytes, bytes], ttl: float | None = None,
+                    skip: Collection[NodeName] = ()) -> WriteResult:
+        self.calls["set_many"] += 1
+        return WriteResult(answered=list(self.node_names),
+                           rejected={k: ac.StoreRejected("full") for k in entries})
+
+
+class Down(ac.MemoryClient):
+    """A store whose server does not answer."""
+
+    async def get_many(self, keys: Any) -> list[bytes | None]:
+        raise ac.StoreUnavailable("connection refused")
+
+    async def set_many(self, mapping: Mapping[bytes, bytes], ttl: float | None = None) -> None:
+        raise ac.StoreUnavailable("connection refused")
+
+
+@pytest.fixture
+def stores(request: pytest.FixtureRequest) -> tuple[ac.MemoryClient, ac.MemoryClient]:
+    name = request.node.name
+    near, far = ac.MemoryClient(name=f"{name}-near"), ac.MemoryClient(name=f"{name}-far")
+    near.clear()
+    far.clear()
+    return near, far
+
+
+def counted(body: Any) -> tuple[Any, dict[str, int]]:
+    """``asyncio.run(body())`` with the store's own counts collected, as a cache does."""
+    counts: dict[str, int] = {}
+
+    def add(name: str, n: int) -> None:
+        counts[name] = counts.get(name, 0) + n
+
+    async def main() -> Any:
+        STORE_COUNTS.set(add)
+        return await body()
+
+    return asyncio.run(main()), counts
+
+
+def test_near_hits_never_ask_far_and_far_hits_are_copied_into_near(
+        stores: tuple[ac.MemoryClient, ac.MemoryClient]) -> None:
+    near, far = stores
+    client = Tiered(near, far)
+
+    async def body() -> list[Any]:
+        await near.set_many({b"a": b"near-a"})
+        await far.set_many({b"a": b"far-a", b"b": b"far-b"})
+        first = await client.get_many([b"a", b"a"])
+        assert far.calls["get_many"] == 0  # every key hit near
+        got = await client.get_many([b"a", b"b", b"c"])
+        await client.close()  # copies in flight finish
+        return [first, got]
+
+    (first, got), counts = counted(body)
+    assert first == [b"near-a", b"near-a"]
+    assert got == [b"near-a", b"far-b", None]
+    assert far.calls["get_many"] == 1  # one far read, for near's misses only
+    assert near.data[b"b"][0] == b"far-b" and b"c" not in near.data
+    assert counts == {"tier_near_hits": 3, "tier_far_hits": 1, "tier_copies": 1}
+
+
+def test_a_key_near_lacks_and_far_could_not_read_is_not_read(
+        stores: tuple[ac.MemoryClient, ac.MemoryClient]) -> None:
+    near, far = stores
+    client = Tiered(near, far)
+    far_node = far.node_names[0]
+
+    async def body() -> Any:
+        await near.set_many({b"a": b"A"})
+        await far.set_many({b"b": b"B"})
+        return await client.read([b"a", b"b"], skip={far_node})
+
+    result, _counts = counted(body)
+    assert result.values == [b"A", NOT_READ]  # far may hold b: never a miss to remember
+    assert result.skipped == 1 and not result.failures
+
+
+def test_near_down_reads_everything_from_far_and_reports_near(
+        stores: tuple[ac.MemoryClient, ac.MemoryClient]) -> None:
+    _near, far = stores
+    near = Down(name=_near.name)
+    client = Tiered(near, far)
+
+    async def body() -> Any:
+        await far.set_many({b"b": b"B"})
+        return await client.read([b"a", b"b"])
+
+    result, counts = counted(body)
+    assert result.values == [None, b"B"]  # far is the store of record: a is absent
+    assert set(result.failures) == {near.node_names[0]}
+    assert result.answered == [far.node_names[0]]
+    assert "tier_copies" not in counts  # never copied into a node that just failed
+
+
+def test_node_names_are_near_then_far_and_the_same_store_twice_is_refused(
+        stores: tuple[ac.MemoryClient, ac.MemoryClient]) -> None:
+    near, far = stores
+    client = Tiered(near, far)
+    assert client.node_names == (*near.node_names, *far.node_names)
+    assert "near=memory://" in client.safe_url and "far=memory://" in client.safe_url
+    with pytest.raises(ac.ConfigError, match="same store"):
+        Tiered(near, near)
+    with pytest.raises(ac.ConfigError, match="same store"):
+        Tiered(near, ac.MemoryClient(name=near.name))
+    with pytest.raises(ac.ConfigError, match=r"asynccache\.connect"):
+        Tiered("redis://127.0.0.1", far)  # type: ignore[arg-type]
+    for bad in (0, -1, float("inf"), "60", True):
+        with pytest.raises(ac.ConfigError, match="copy_ttl"):
+            Tiered(near, far, copy_ttl=bad)  # type: ignore[arg-type]
+    with pytest.raises(ac.ConfigError, match="max_copy_bytes"):
+        Tiered(near, far, max_copy_bytes=-1)
+
+
+def test_settings_come_from_both_tiers() -> None:
+    near = ac.MemoryClient(name="n", max_value_size=1000, timeout=0.5, max_batch=64)
+    far = ac.MemoryClient(name="f", max_value_size=4000, timeout=2.0, max_batch=256)
+    client = Tiered(near, far)
+    assert client.max_value_size == 1000  # chunked to fit both
+    assert client.timeout == 2.5  # a read may wait for near, then far
+    assert client.max_batch == 64
+    assert Tiered(ac.MemoryClient(name="n"), ac.MemoryClient(name="f")).max_value_size is None
+
+
+def test_copies_are_bounded_and_a_full_near_is_left_alone_for_a_while(
+        stores: tuple[ac.MemoryClient, ac.MemoryClient]) -> None:
+    _near, far = stores
+    bounded = Tiered(_near, far, max_copy_bytes=150)
+    full = Tiered(Refusing(name=_near.name + "-full"), far)
+
+    async def body() -> Any:
+        await far.set_many({b"%d" % i: b"x" * 100 for i in range(4)})
+        got = await bounded.get_many([b"0", b"1", b"2", b"3"])
+        await bounded.close()
+        assert got == [b"x" * 100] * 4
+        assert len(_near.data) == 1  # one value fits in 150 bytes; the rest were served
+        assert await full.get_many([b"0", b"1"]) == [b"x" * 100] * 2
+        await asyncio.sleep(0)  # the copy runs, and is refused
+        assert await full.get_many([b"2"]) == [b"x" * 100]  # near paused: not asked
+        await full.close()
+        return full.near.calls["set_many"]
+
+    copies_sent, counts = counted(body)
+    assert copies_sent == 1
+    assert counts["tier_copies"] == 1
+    assert counts["tier_near_refused"] == 2
+    assert counts["tier_near_dropped"] == 3 + 1  # over the bound, then near paused
+
+
+def test_writes_go_to_both_and_the_result_is_fars(
+        stores: tuple[ac.MemoryClient, ac.MemoryClient]) -> None:
+    near, far = stores
+
+    async def body() -> tuple[WriteResult, WriteResult]:
+        both = await Tiered(near, far).write({b"k": b"v"}, ttl=60)
+        assert near.data[b"k"][0] == b"v" and far.data[b"k"][0] == b"v"
+        assert near.data[b"k"][1] is not None and far.data[b"k"][1] is not None  # the ttl
+        broken = Tiered(Down(name=near.name + "-down"), far)
+        return both, await broken.write({b"j": b"w"})
+
+    (both, near_down), _counts = counted(body)
+    assert both.written == 1 and not both.failures and len(both.answered) == 2
+    # near's trouble is its node's (counted, backed off), the value is in far: not dropped
+    assert near_down.written == 1 and near_down.failed_keys == 0
+    assert list(near_down.failures) == [NodeName(f"memory://{near.name}-down")]
+
+
+def test_leases_are_fars_alone_and_deletes_reach_both(
+        stores: tuple[ac.MemoryClient, ac.MemoryClient]) -> None:
+    near, far = stores
+    client = Tiered(near, far)
+
+    async def body() -> list[bool]:
+        taken = await client.add_many({b"lease": b"me"}, 30)
+        assert b"lease" in far.data and b"lease" not in near.data
+        await client.set_many({b"k": b"v"})
+        await client.delete_many([b"k", b"lease"])
+        assert not near.data and not far.data
+        return taken
+
+    assert counted(body)[0] == [True]
+
+
+def test_contains_and_sizes_ask_far_only_for_what_near_lacks(
+        stores: tuple[ac.MemoryClient, ac.MemoryClient]) -> None:
+    near, far = stores
+    client = Tiered(near, far)
+
+    async def body() -> tuple[list[bool], list[int | None]]:
+        await near.set_many({b"a": b"1"})
+        await far.set_many({b"a": b"1", b"b": b"22"})
+        return await client.contains_many([b"a", b"b", b"c"]), await client.sizes_many(
+            [b"a", b"b", b"c"])
+
+    (contains, sizes), _counts = counted(body)
+    assert contains == [True, True, False] and sizes == [1, 2, None]
+
+
+def test_a_pickle_carries_both_tiers_and_the_settings(
+        stores: tuple[ac.MemoryClient, ac.MemoryClient]) -> None:
+    near, far = stores
+    client = Tiered(near, far, copy_ttl=30, max_copy_bytes=1 << 20)
+    asyncio.run(client.get_many([b"x"]))  # per-loop state exists: it must not travel
+    clone = pickle.loads(pickle.dumps(client))
+    assert isinstance(clone, Tiered) and clone.safe_url == client.safe_url
+    assert (clone.copy_ttl, clone.max_copy_bytes) == (30.0, 1 << 20)
+    assert clone.near.safe_url == near.safe_url and clone.far.safe_url == far.safe_url
+    assert "_states" not in clone.__getstate__()
+    assert repr(clone).startswith("Tiered(near=MemoryClient(")
+
+
+def test_a_cache_counts_the_tiers_in_its_stats(
+        stores: tuple[ac.MemoryClient, ac.MemoryClient]) -> None:
+    near, far = stores
+
+    async def body() -> dict[str, int]:
+        async with ac.AsyncKVCache(far, namespace="n") as writer:
+            await writer.set_many({i: {"i": i} for i in range(10)})
+        cache = ac.AsyncKVCache(Tiered(near, far), namespace="n")
+        async with cache:
+            assert await cache.get_many(range(10)) == {i: {"i": i} for i in range(10)}
+        async with ac.AsyncKVCache(Tiered(near, far), namespace="n") as again:
+            assert await again.get_many(range(10)) == {i: {"i": i} for i in range(10)}
+            assert again.stats()["tier_near_hits"] == 10
+        return cache.stats()
+
+    stats = asyncio.run(body())
+    assert stats["hits"] == 10 and stats["errors"] == 0
+    assert stats["tier_far_hits"] == 10 and stats["tier_copies"] == 10  # after aclose()
