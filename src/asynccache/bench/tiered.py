@@ -1,7 +1,7 @@
 """A near/far tier (``ac.Tiered(near, far)``) against the far store alone, far away.
 
 The far store (the run's Redis) sits behind the loopback latency proxy of
-:mod:`asynccache.bench.network` at +0.2 ms (a rack) and +1 ms (a data centre); the near
+`asynccache.bench.network` at +0.2 ms (a rack) and +1 ms (a data centre); the near
 store is LMDB in a temporary directory of this machine. Cases, each a warm shuffled
 epoch through a torch ``DataLoader`` (2 ``fork`` workers, batches of 32, the pipe
 following the sampler), 4 KiB values already in far:

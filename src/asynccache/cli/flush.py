@@ -10,7 +10,7 @@ The prompt names the count and the prefix; ``--yes`` skips it. ``--json`` needs 
 must be said explicitly. With the prompt, the keys deleted are those counted for it;
 keys written after the listing are left (run it again, or stop the writers first).
 
-With ``--near NEAR_URL`` (a tiered client, :class:`asynccache.Tiered`) both tiers are
+With ``--near NEAR_URL`` (a tiered client, `asynccache.Tiered`) both tiers are
 flushed, near then far (each with its own prompt), and reported under ``"tiers"``.
 """
 

@@ -101,7 +101,7 @@ class EpochDraws:
     the training loop calls on the parent's. So in a worker each draw after the first
     moves the copy on one epoch (the common loop: ``set_epoch(epoch)`` every epoch), and
     when the first read of an epoch shows the guess wrong (the loop skipped or repeated
-    an epoch, or does not call ``set_epoch``), :meth:`find` looks for the epoch that read
+    an epoch, or does not call ``set_epoch``), `find()` looks for the epoch that read
     belongs to, around the guess. The user's sampler is never touched.
     """
 

@@ -99,7 +99,7 @@ class Prefetcher:
     # -- plan -----------------------------------------------------------------------------
     def follow(self, plan: Sequence[Any], replan: Callable[[Any], list[Any]]) -> None:
         """Follow an order: ``plan`` is this consumer's epoch of it, ``replan`` the next
-        (see :attr:`replan`); a plan whose first read is not its first index is replaced
+        (see `replan`); a plan whose first read is not its first index is replaced
         by ``replan(that index)``.
 
         Starts the epoch clock: every ``len(plan)`` reads, whatever they read, an epoch is

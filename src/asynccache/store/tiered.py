@@ -61,10 +61,12 @@ class Tiered(BaseClient[_Copies]):
 
     ``near`` is what this machine reaches fastest (``lmdb://`` or a local Valkey),
     ``far`` what every machine shares (a Redis, a cluster, a memcached pool). Both are
-    clients from :func:`asynccache.connect` (or another ``Tiered``)::
+    clients from `asynccache.connect()` (or another ``Tiered``):
 
-        near = ac.connect(f"lmdb://{Path.home()}/.cache/asynccache?map_size=200GiB")
-        client = ac.Tiered(near, ac.connect("redis+cluster://h1:7000,h2:7001"))
+    ```python
+    near = ac.connect(f"lmdb://{Path.home()}/.cache/asynccache?map_size=200GiB")
+    client = ac.Tiered(near, ac.connect("redis+cluster://h1:7000,h2:7001"))
+    ```
 
     * reads: one read of near, then one read of far for the keys near lacks (or could
       not read); far's hits are copied into near after the read returns, at most
