@@ -388,17 +388,22 @@ class AsyncKVCacheMapDataPipe(_Base):
                     p.set_plan(plan)
         values = p.take_many(indices)
         missing = [i for i, v in zip(indices, values) if v is MISSING]
-        # A batch's writes are in the store before the next batch is returned (they go
-        # out at once, while the next batch is computed); the last batch of a known plan
-        # (this worker's share of the sampler's epoch, or the rest of the dataset) waits
-        # for its own, so that every worker finds them in the next epoch. Less than a
-        # batch left counts as the end: with drop_last the loader never sends it. Without
-        # a plan the end is not known: the last batch's writes are on their way when the
-        # epoch ends (a worker that exits flushes them first), so a read of one of those
-        # keys by another worker in the first milliseconds of the next epoch may miss and
-        # compute it again, never read something else.
+        # In a DataLoader worker a batch's writes are in the store before its next batch
+        # is returned (they go out at once, while the next batch is computed); the last
+        # batch of a known plan (this worker's share of the sampler's epoch, or the rest
+        # of the dataset) waits for its own, so that every worker finds them in the next
+        # epoch. Less than a batch left counts as the end: with drop_last the loader never
+        # sends it. Without a plan the end is not known: the last batch's writes are on
+        # their way when the epoch ends (a worker that exits flushes them first), so a
+        # read of one of those keys by another worker in the first milliseconds of the
+        # next epoch may miss and compute it again, never read something else. Outside
+        # workers, a batch without a plan waits for its own writes: what the caller does
+        # next (read them back, look at the store) finds them there.
         left = p.plan_len - p.pos
-        ends = p.plan_len and (left < max(1, len(indices)) or p.epoch_ends())
+        if p.plan_len:
+            ends = left < max(1, len(indices)) or p.epoch_ends()
+        else:
+            ends = orders.worker_info() is None
         visible = "now" if ends else "next"
         if missing:
             computed = self._compute(missing, rt, visible=visible)
