@@ -69,7 +69,11 @@ def _detached(order: Any, torch: Any) -> Any:
     generator = getattr(order, "generator", None)
     inner = getattr(order, "sampler", None)
     if not isinstance(generator, torch.Generator) and inner is None:
-        return order
+        if isinstance(order, torch.Tensor) or not hasattr(order, "__dict__"):
+            return order
+        # a sampler with state of its own (StatefulDistributedSampler counts what it
+        # yielded, for a checkpoint): iterated as a copy, the user's count is left alone
+        return copy.copy(order)
     clone = copy.copy(order)
     if isinstance(generator, torch.Generator):
         twin = torch.Generator(device=generator.device)
