@@ -73,7 +73,10 @@ def _detached(order: Any, torch: Any) -> Any:
             return order
         # a sampler with state of its own (StatefulDistributedSampler counts what it
         # yielded, for a checkpoint): iterated as a copy, the user's count is left alone
-        return copy.copy(order)
+        try:
+            return copy.copy(order)
+        except Exception:  # an object that refuses to be copied: read as before
+            return order
     clone = copy.copy(order)
     if isinstance(generator, torch.Generator):
         twin = torch.Generator(device=generator.device)
