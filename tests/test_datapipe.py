@@ -398,3 +398,25 @@ def test_the_next_epoch_is_read_ahead_when_its_first_index_is_the_last_epochs(
     assert after["computed"] == before["computed"]
     read_ahead = after["prefetch_hits"] - before["prefetch_hits"]
     assert read_ahead >= n - size, (before, after)
+
+
+def test_a_share_whose_last_batch_is_dropped_is_followed_into_the_next_epoch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Worker 0 of 2, DataLoader(sampler=order, batch_size=8, drop_last=True) over 35
+    items: its share's partial batch never comes, the plan is never used up. The next
+    epoch (the same order) must still be read ahead, not read batch by batch."""
+    monkeypatch.setattr(orders, "worker_info",
+                        lambda: types.SimpleNamespace(id=0, num_workers=2))
+    with ac.AsyncKVCacheMapDataPipe(list(range(35)), ac.connect("memory://drop-last-2"),
+                                    namespace="drop-last-2", order=list(range(35)),
+                                    prefetch=8) as dp:
+        for _ in range(2):  # epoch 0 computes and writes
+            assert dp.__getitems__(list(range(0, 8))) == list(range(0, 8))
+            assert dp.__getitems__(list(range(16, 24))) == list(range(16, 24))
+        before = dp.stats()
+        for _ in range(2):
+            assert dp.__getitems__(list(range(0, 8))) == list(range(0, 8))
+            assert dp.__getitems__(list(range(16, 24))) == list(range(16, 24))
+        after = dp.stats()
+    assert after["direct_reads"] == before["direct_reads"], (before, after)
