@@ -317,3 +317,106 @@ def test_a_share_whose_last_batch_is_dropped_still_ends_with_visible_writes(
         assert dp.__getitems__(list(range(0, 8))) == list(range(0, 8))
         assert dp.__getitems__(list(range(16, 24))) == list(range(16, 24))
     assert seen == ["next", "now"]
+
+
+# -- an order told its epoch, in the process that owns it (DataLoader num_workers=0) -------
+
+
+class _EpochBatches:
+    """A batch sampler told its epoch (``set_epoch``, int ``epoch``): ``batches(e)``."""
+
+    def __init__(self, batches: Any) -> None:
+        self.batches, self.epoch = batches, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches(self.epoch))
+
+
+def _spy_visible(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    seen: list[str] = []
+    real_compute = datapipe.AsyncKVCacheMapDataPipe._compute
+
+    def spy(self: Any, indices: list[Any], rt: Any, visible: str = "queued") -> Any:
+        seen.append(visible)
+        return real_compute(self, indices, rt, visible=visible)
+
+    monkeypatch.setattr(datapipe.AsyncKVCacheMapDataPipe, "_compute", spy)
+    return seen
+
+
+def test_the_last_batch_of_a_shorter_epoch_waits_for_its_writes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batch sampler whose epochs differ in length (epoch 1 has 3 batches, epoch 0 had
+    4), read in the process that owns it: the last batch of every epoch is the end of
+    the plan, its writes in the store before it returns (visible="now")."""
+    def batches(epoch: int) -> list[list[int]]:
+        base = 100 * epoch  # every epoch cold: each batch computes
+        return [list(range(base + 4 * b, base + 4 * b + 4)) for b in range(4 - epoch % 2)]
+
+    sampler = _EpochBatches(batches)
+    seen = _spy_visible(monkeypatch)
+    with ac.AsyncKVCacheMapDataPipe(list(range(300)), ac.connect("memory://uneven-epochs"),
+                                    namespace="uneven-epochs", order=sampler) as dp:
+        for epoch in range(3):
+            sampler.set_epoch(epoch)
+            seen.clear()
+            for batch in sampler:
+                assert dp.__getitems__(batch) == batch
+            assert seen[-1] == "now", (epoch, seen)
+
+
+def test_the_next_epoch_is_read_ahead_when_its_first_index_is_the_last_epochs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """DataLoader(num_workers=0) over a sampler told its epoch: the order of epoch e+1 is
+    known once set_epoch(e+1) is called. Epochs that start with the same index (a fixed
+    first item, or a coincidence) must still be read ahead in full."""
+    n, size = 512, 16
+
+    def batches(epoch: int) -> list[list[int]]:
+        rest = list(range(1, n))
+        random.Random(epoch).shuffle(rest)
+        perm = [0, *rest]
+        return [perm[i:i + size] for i in range(0, n, size)]
+
+    sampler = _EpochBatches(batches)
+    with ac.AsyncKVCacheMapDataPipe(list(range(n)), ac.connect("memory://same-first"),
+                                    namespace="same-first", order=sampler,
+                                    prefetch=32) as dp:
+        for batch in sampler:  # epoch 0: cold
+            assert dp.__getitems__(batch) == batch
+        dp.flush()
+        before = dp.stats()
+        sampler.set_epoch(1)
+        for batch in sampler:
+            assert dp.__getitems__(batch) == batch
+        after = dp.stats()
+    assert after["computed"] == before["computed"]
+    read_ahead = after["prefetch_hits"] - before["prefetch_hits"]
+    assert read_ahead >= n - size, (before, after)
+
+
+def test_a_share_whose_last_batch_is_dropped_is_followed_into_the_next_epoch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Worker 0 of 2, DataLoader(sampler=order, batch_size=8, drop_last=True) over 35
+    items: its share's partial batch never comes, the plan is never used up. The next
+    epoch (the same order) must still be read ahead, not read batch by batch."""
+    monkeypatch.setattr(orders, "worker_info",
+                        lambda: types.SimpleNamespace(id=0, num_workers=2))
+    with ac.AsyncKVCacheMapDataPipe(list(range(35)), ac.connect("memory://drop-last-2"),
+                                    namespace="drop-last-2", order=list(range(35)),
+                                    prefetch=8) as dp:
+        for _ in range(2):  # epoch 0 computes and writes
+            assert dp.__getitems__(list(range(0, 8))) == list(range(0, 8))
+            assert dp.__getitems__(list(range(16, 24))) == list(range(16, 24))
+        before = dp.stats()
+        for _ in range(2):
+            assert dp.__getitems__(list(range(0, 8))) == list(range(0, 8))
+            assert dp.__getitems__(list(range(16, 24))) == list(range(16, 24))
+        after = dp.stats()
+    assert after["direct_reads"] == before["direct_reads"], (before, after)

@@ -189,3 +189,33 @@ class _ListSampler(torch.utils.data.Sampler[int]):
 
     def __len__(self) -> int:
         return len(self.items)
+
+
+def test_a_stateful_sampler_the_pipe_follows_resumes_mid_epoch_where_it_stopped() -> None:
+    """num_workers=0, order= the loader's own StatefulDistributedSampler: drawing the plan
+    must not move the sampler's count of what it yielded (a checkpoint taken mid-epoch
+    would resume past the end of the epoch: the rest of it silently skipped)."""
+    from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+    def sampler() -> StatefulDistributedSampler:
+        return StatefulDistributedSampler(list(range(64)), num_replicas=1, rank=0, seed=1)
+
+    user = sampler()
+    with ac.AsyncKVCacheMapDataPipe(list(range(64)), ac.connect("memory://stateful-order"),
+                                    namespace="stateful-order", order=user,
+                                    prefetch=16) as dp:
+        loader = StatefulDataLoader(dp, sampler=user, batch_size=8, collate_fn=listed)
+        user.set_epoch(0)
+        list(loader)
+        user.set_epoch(1)
+        it = iter(loader)
+        seen = [next(it), next(it)]
+        state = loader.state_dict()
+    assert user.yielded == 16
+    again = sampler()
+    resumed = StatefulDataLoader(list(range(64)), sampler=again, batch_size=8,
+                                 collate_fn=listed)
+    again.set_epoch(1)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert len(rest) == 6 and sorted(i for b in seen + rest for i in b) == list(range(64))

@@ -90,3 +90,19 @@ def test_nothing_found_keeps_the_guess(in_a_worker: None) -> None:
     draws.next()
     guess = draws.next()
     assert draws.find(lambda items: False) == guess and copy.epoch == 1
+
+
+def test_a_workers_generator_sampler_is_drawn_once_per_epoch(in_a_worker: None) -> None:
+    """A persistent worker's copy of a sampler with a generator (no set_epoch) stays in
+    step with the parent's only if it is drawn once per epoch: a first read that is not
+    the guess's first index (a resumed loader, a peek) must not draw it again."""
+    import copy
+
+    import torch
+    from torch.utils.data import RandomSampler
+
+    parent = RandomSampler(range(20), generator=torch.Generator().manual_seed(1))
+    draws = orders.EpochDraws(copy.deepcopy(parent))
+    assert draws.next() == list(parent)
+    draws.find(lambda items: False)  # the first read was another index
+    assert draws.next() == list(parent)  # the parent's next epoch, still in step

@@ -401,7 +401,9 @@ class AsyncKVCacheMapDataPipe(_Base):
         # next (read them back, look at the store) finds them there.
         left = p.plan_len - p.pos
         if p.plan_len:
-            ends = left < max(1, len(indices)) or p.epoch_ends()
+            # (a plan used up by this batch is already the next epoch's guess, unread)
+            ends = (left < max(1, len(indices)) or p.epoch_ends()
+                    or (p.tentative and not p.pos))
         else:
             ends = orders.worker_info() is None
         visible = "now" if ends else "next"

@@ -69,7 +69,14 @@ def _detached(order: Any, torch: Any) -> Any:
     generator = getattr(order, "generator", None)
     inner = getattr(order, "sampler", None)
     if not isinstance(generator, torch.Generator) and inner is None:
-        return order
+        if isinstance(order, torch.Tensor) or not hasattr(order, "__dict__"):
+            return order
+        # a sampler with state of its own (StatefulDistributedSampler counts what it
+        # yielded, for a checkpoint): iterated as a copy, the user's count is left alone
+        try:
+            return copy.copy(order)
+        except Exception:  # an object that refuses to be copied: read as before
+            return order
     clone = copy.copy(order)
     if isinstance(generator, torch.Generator):
         twin = torch.Generator(device=generator.device)
@@ -108,6 +115,7 @@ class EpochDraws:
     def __init__(self, order: Iterable[Any]) -> None:
         self.order = order
         self.draws = 0
+        self.last: list[Any] | None = None
 
     def _worker_sampler(self) -> Any:
         return epoch_sampler(self.order) if worker_info() is not None else None
@@ -118,12 +126,17 @@ class EpochDraws:
         if sampler is not None and self.draws:
             sampler.set_epoch(sampler.epoch + 1)
         self.draws += 1
-        return one_pass(self.order)
+        self.last = one_pass(self.order)
+        return self.last
 
     def find(self, fits: Callable[[list[Any]], bool]) -> list[Any]:
         """The epoch that ``fits`` what was read (else this process's current one)."""
-        items = one_pass(self.order)
         sampler = self._worker_sampler()
+        if sampler is None and self.last is not None and worker_info() is not None:
+            # a worker's own copy, not told an epoch (a generator): drawn once per epoch,
+            # in step with the parent's; drawing it again would move it on for good
+            return self.last
+        items = one_pass(self.order)
         if sampler is None or fits(items):
             return items
         guess = sampler.epoch

@@ -220,6 +220,12 @@ class Prefetcher:
         """Move the plan past ``index``; False when the plan does not go there."""
         plan, pos = self.plan, self.pos
         if pos < self.plan_len and plan[pos] == index:
+            if not pos and self.tentative and self.replan is not None:
+                # a guess drawn before the loop moved the order on (set_epoch): its first
+                # read is asked again, not taken as proof (epochs may share a first index)
+                self.tentative = False
+                if self._next_epoch(index):
+                    return self._advance(index)
             self.pos = pos + 1
             self.guessed = False
             return True
@@ -402,7 +408,8 @@ class Prefetcher:
         value = self.ready.pop(index, NOTHING)
         if value is not NOTHING:
             pos = self.pos
-            if pos < self.plan_len and self.plan[pos] == index:  # the common case, inlined
+            if (pos < self.plan_len and self.plan[pos] == index  # the common case, inlined
+                    and (pos or not self.tentative)):
                 self.pos = pos + 1
                 self.last_index = index
                 self.fast_reads += 1
