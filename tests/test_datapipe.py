@@ -400,6 +400,10 @@ def test_the_next_epoch_is_read_ahead_when_its_first_index_is_the_last_epochs(
     assert read_ahead >= n - size, (before, after)
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "known limitation, older than the epoch following: a flat order (set_order("
+    "loader.sampler)) cannot tell whether the loader drops a share's partial last batch; "
+    "set_order(loader.batch_sampler) has the batches as sent. Issue 20's note."))
 def test_a_share_whose_last_batch_is_dropped_is_followed_into_the_next_epoch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
