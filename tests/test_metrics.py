@@ -103,6 +103,31 @@ def test_collector_equals_stats_after_real_traffic(redis_server: Any, namespace:
     assert 0 < cache.latency()["read"].sum < 5
 
 
+def test_collector_shows_a_tiered_clients_counters(redis_server: Any, namespace: str,
+                                                  registry: CollectorRegistry) -> None:
+    async def traffic(cache: ac.AsyncKVCache) -> None:
+        far_only = ac.AsyncKVCache(ac.connect(redis_server.url), namespace=namespace)
+        await far_only.set_many({i: i for i in range(20)})  # in far, not in near
+        await far_only.aclose()
+        await cache.get_many(range(20))  # near misses, far hits: copied into near
+        await cache.flush()
+        await asyncio.sleep(0.2)  # the copies land after the read returned
+        await cache.get_many(range(20))  # near hits
+        await cache.client.close()
+
+    client = ac.Tiered(ac.connect(f"memory://tier-{namespace}"), ac.connect(redis_server.url))
+    cache = ac.AsyncKVCache(client, namespace=namespace)
+    CacheCollector(cache, registry=registry)
+    asyncio.run(traffic(cache))
+    stats = cache.stats()
+    got = scrape(registry)
+    labels = {"namespace": namespace, "store": client.safe_url}
+    assert stats["tier_far_hits"] == 20 and stats["tier_near_hits"] >= 1
+    for name in ("tier_near_hits", "tier_far_hits", "tier_copies", "tier_near_refused",
+                 "tier_near_dropped", "tier_copy_failed"):
+        assert value(got, f"asynccache_{name}_total", **labels) == stats.get(name, 0)
+
+
 def test_errors_by_kind_equal_stats(redis_server: Any, namespace: str,
                                     registry: CollectorRegistry) -> None:
     """Timeouts (black hole), unavailable (killed server), decode errors (garbage under a

@@ -25,6 +25,14 @@ COUNTERS = (
     ("skipped", "skipped", "Keys not asked for because their node was backing off."),
     ("writes_dropped", "writes_dropped", "Values that could not be written."),
     ("computed", "computed", "Values computed from the source on a miss."),
+    # a Tiered(near, far) client's (0 for other stores)
+    ("tier_near_hits", "tier_near_hits", "Keys a tiered client's near store answered."),
+    ("tier_far_hits", "tier_far_hits", "Keys read from far after near did not have them."),
+    ("tier_copies", "tier_copies", "Far hits copied into near."),
+    ("tier_near_refused", "tier_near_refused", "Values near refused (full)."),
+    ("tier_near_dropped", "tier_near_dropped",
+     "Values not written to near (copy budget spent, or near refusing or failing lately)."),
+    ("tier_copy_failed", "tier_copy_failed", "Copies into near that failed."),
 )
 
 
