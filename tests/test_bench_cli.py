@@ -97,6 +97,8 @@ def test_smoke_run_writes_tables_json_and_plots(
     assert "memcached 100 B dp[i] vs emcache" in rows
     assert "cold DataLoader epoch vs no cache (lower is better)" in rows
     assert "cold, no set_order DataLoader epoch vs no cache (lower is better)" in rows
+    assert rows["2 ranks x 2 workers: warm reads served by read-ahead"]["ratio"] <= 1.0
+    assert "tiered warm epoch vs far alone, +1 ms (lower is better)" in rows
     assert all(row["ours_value"] > 0 and row["peer_value"] > 0 for row in rows.values())
     assert goals["cold"]["computed_per_rep"] == [goals["cold"]["items"]] * len(
         goals["cold"]["computed_per_rep"])  # cold: each item computed once, warm: none

@@ -19,7 +19,11 @@ repetitions); the README states the goals and the bars, this module only measure
 * **cold** -- a DataLoader epoch (2 workers, shuffled, batches of 32, items of 192 KiB
   that cost ~1.5 ms of CPU each) through ``async_kv_cache`` with an empty store, with
   ``set_order(loader.batch_sampler)`` and without it (the default use), and again warm,
-  against the same epoch reading the source without a cache.
+  against the same epoch reading the source without a cache;
+* **ranks** -- a ``torch.distributed`` job (`asynccache.bench.ranks`): the share of warm
+  reads that read-ahead served, with ``set_order`` following ``DistributedSampler``;
+* **tiered** -- a warm DataLoader epoch through ``ac.Tiered(lmdb, redis)`` against the
+  far store alone behind the latency proxy (`asynccache.bench.tiered`).
 
 ``summary`` lists one row per goal: what is compared, the two figures, the ratio.
 """
@@ -41,7 +45,7 @@ import asynccache as ac
 
 from ..cli.progress import Progress
 from ..testing import servers
-from . import plots
+from . import plots, ranks, tiered
 from ._common import (
     BenchError,
     Case,
@@ -191,6 +195,12 @@ def run(
             results["cluster"] = _cluster(s, redis_store, mode, runner, bar)
             bar.describe("goals: cold epochs")
             results["cold"] = _cold(s, redis_store, mode, runner)
+            bar.describe("goals: ranks of a distributed job")
+            results["ranks"] = ranks.run(quick=quick, out_dir=out_dir, progress=False,
+                                         session=s)
+            bar.describe("goals: near/far tier")
+            results["tiered"] = tiered.run(quick=quick, out_dir=out_dir, progress=False,
+                                           session=s)
         finally:
             bar.close()
             runner.close()
@@ -533,6 +543,17 @@ def summary_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append(_row(f"{phase} DataLoader epoch vs no cache (lower is better)", phase,
                          cold[phase], "no cache", cold["no cache"],
                          cold[phase] / cold["no cache"], "s"))
+    job = results.get("ranks", {}).get("cases", {})  # absent in results of an older run
+    if "set_order" in job:
+        share = job["set_order"]["served_by_read_ahead"]
+        rows.append(_row("2 ranks x 2 workers: warm reads served by read-ahead", "set_order",
+                         share, "every warm read", 1.0, share, "share"))
+    for level in results.get("tiered", {}).get("levels", []):
+        cases = level["cases"]
+        a = cases["tiered, warm from near"]["epoch_s"]
+        b = cases["far alone"]["epoch_s"]
+        rows.append(_row(f"tiered warm epoch vs far alone, +{level['rtt_added_s'] * 1e3:g} ms "
+                         "(lower is better)", "tiered", a, "far alone", b, a / b, "s"))
     return rows
 
 
@@ -541,6 +562,8 @@ def _fmt(value: float, unit: str) -> str:
         return f"{value / 1e3:,.1f} ms" if value >= 10_000 else f"{value:,.0f} µs"
     if unit == "s":
         return f"{value:.2f} s"
+    if unit == "share":
+        return f"{value:.0%}"
     if unit == "MB/s":
         return f"{value:,.0f} MB/s"
     return f"{fmt_rate(value)}/s"
@@ -566,6 +589,8 @@ def table(results: dict[str, Any]) -> str:
 def _group(goal: str) -> str:
     if goal.startswith(("cold", "warm")):
         return "epochs"
+    if goal.startswith(("2 ranks", "tiered")):
+        return "scale-out"
     if goal.startswith(("memcached", "3-node")):
         return goal.split(" ")[0].replace("3-node", "cluster")
     return "large values" if "MB/s" in goal or "loopback" in goal or "p99" in goal \
