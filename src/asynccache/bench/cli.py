@@ -1,7 +1,8 @@
 """``asynccache bench``: run the benchmarks, print tables, write JSON, markdown and PNGs.
 
     asynccache bench [--quick] [--out DIR]
-                     [--only goals,core,datapipe,latency,network,dataloader,workers,local,services]
+                     [--only goals,core,datapipe,latency,network,dataloader,workers,local,
+                             services,ranks,tiered]
                      [--servers redis,valkey,memcached]
                      [--url-redis URL] [--url-valkey URL] [--url-memcached URL]
                      [--reps N] [--no-progress]
