@@ -250,3 +250,46 @@ def test_a_cache_counts_the_tiers_in_its_stats(
     stats = asyncio.run(body())
     assert stats["hits"] == 10 and stats["errors"] == 0
     assert stats["tier_far_hits"] == 10 and stats["tier_copies"] == 10  # after aclose()
+
+
+class Small(ac.MemoryClient):
+    """A near store with little room: values over ``room`` bytes are refused one by one (as
+    a nearly full LMDB map or a Valkey at ``maxmemory`` answers), smaller ones taken."""
+
+    room = 10
+
+    async def write(self, entries: Mapping[bytes, bytes], ttl: float | None = None,
+                    skip: Collection[NodeName] = ()) -> WriteResult:
+        fits = {k: v for k, v in entries.items() if len(v) <= self.room}
+        await self.set_many(fits, ttl)
+        return WriteResult(written=len(fits), answered=list(self.node_names),
+                           rejected={k: ac.StoreRejected("full")
+                                     for k in entries if k not in fits})
+
+
+@pytest.mark.parametrize("how", ["refused", "paused"])
+def test_a_write_near_does_not_take_never_leaves_an_older_value_in_near(
+        how: str, stores: tuple[ac.MemoryClient, ac.MemoryClient]) -> None:
+    """Read your writes: ``set(k, new)`` then ``get(k)`` is ``new``, also when near refused
+    ``new`` (full) or was left alone for a while (it refused something else just before):
+    near must not keep serving the value it held before."""
+    _near, far = stores
+    near = Small(name=_near.name + "-small")
+    near.clear()
+    client = Tiered(near, far)
+
+    async def body() -> list[bytes | None]:
+        await client.set_many({b"k": b"old"})
+        assert near.data[b"k"][0] == b"old"
+        if how == "refused":
+            new = b"new" * 10  # over near's room: refused there, taken by far
+        else:
+            await client.set_many({b"big": b"x" * 100})  # refused: near is paused
+            new = b"new"  # would fit, but near is not asked while paused
+        await client.set_many({b"k": new})
+        got = await client.get_many([b"k"])
+        await client.close()
+        return [new, *got]
+
+    (new, got), _counts = counted(body)
+    assert got == new
