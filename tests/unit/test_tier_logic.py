@@ -293,3 +293,47 @@ def test_a_write_near_does_not_take_never_leaves_an_older_value_in_near(
 
     (new, got), _counts = counted(body)
     assert got == new
+
+
+class Gated(ac.MemoryClient):
+    """A far store whose reads take their values at once and answer when ``gate`` opens:
+    a read sent before a write, answered after it (as on any network)."""
+
+    gate: asyncio.Event
+
+    async def get_many(self, keys: Any) -> list[bytes | None]:
+        values = await super().get_many(keys)
+        await self.gate.wait()
+        return values
+
+
+@pytest.mark.parametrize("then", ["set", "delete"])
+def test_a_copy_of_a_value_read_before_a_write_never_lands_over_the_write(
+        then: str, stores: tuple[ac.MemoryClient, ac.MemoryClient]) -> None:
+    """A far read answers ``old``; a write of ``new`` (or a delete) to both tiers completes
+    meanwhile; the read's copy of ``old`` must not then land in near, which would serve it
+    from then on (``copy_ttl=None``: for ever) though far holds ``new`` (or nothing)."""
+    near, _far = stores
+    far = Gated(name=_far.name + "-gated")
+    far.clear()
+    client = Tiered(near, far)
+
+    async def body() -> tuple[list[bytes | None], list[bytes | None]]:
+        far.gate = asyncio.Event()
+        far.gate.set()
+        await far.set_many({b"k": b"old"})
+        far.gate.clear()
+        reading = asyncio.ensure_future(client.get_many([b"k"]))
+        await asyncio.sleep(0.01)  # near missed, far's answer (old) is on its way
+        if then == "set":
+            await client.set_many({b"k": b"new"})
+        else:
+            await client.delete_many([b"k"])
+        far.gate.set()
+        first = await reading  # old: it was read before the write, rightly
+        await client.close()  # its copy, if any, landed
+        return first, await client.get_many([b"k"])
+
+    (first, after), _counts = counted(body)
+    assert first == [b"old"]
+    assert after == ([b"new"] if then == "set" else [None])
