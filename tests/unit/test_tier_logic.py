@@ -337,3 +337,31 @@ def test_a_copy_of_a_value_read_before_a_write_never_lands_over_the_write(
     (first, after), _counts = counted(body)
     assert first == [b"old"]
     assert after == ([b"new"] if then == "set" else [None])
+
+
+def test_a_paused_near_backing_off_is_not_asked_to_delete_and_its_failure_is_its_nodes(
+        stores: tuple[ac.MemoryClient, ac.MemoryClient]) -> None:
+    """While near is left alone, a write deletes its keys from near -- but not from a near
+    the cache backs off (a black-holed one would cost its timeout on every write), and a
+    delete that fails is near's node's failure (so that the cache backs it off)."""
+    _near, far = stores
+
+    class Broken(Down):
+        async def delete_many(self, keys: Any) -> None:
+            self.calls["delete_many"] += 1
+            raise ac.StoreUnavailable("connection refused")
+
+    near = Broken(name=_near.name + "-broken")
+    client = Tiered(near, far)
+    node = near.node_names[0]
+
+    async def body() -> tuple[WriteResult, WriteResult]:
+        await client.write({b"a": b"1"})  # near fails: paused
+        backing_off = await client.write({b"b": b"2"}, skip={node})
+        assert near.calls["delete_many"] == 0
+        return backing_off, await client.write({b"c": b"3"})
+
+    (backing_off, asked), _counts = counted(body)
+    assert backing_off.written == 1 and not backing_off.failures
+    assert near.calls["delete_many"] == 1 and list(asked.failures) == [node]
+    assert asked.written == 1 and far.data[b"c"][0] == b"3"

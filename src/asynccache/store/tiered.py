@@ -368,29 +368,38 @@ class Tiered(BaseClient[_Copies]):
                      skip: Collection[NodeName]) -> WriteResult:
         if state.paused():
             count("tier_near_dropped", len(entries))
-            far, _ = await asyncio.gather(self.far.write(entries, ttl, skip),
-                                          self._forget_near(list(entries)))
+            far, forgot = await asyncio.gather(self.far.write(entries, ttl, skip),
+                                               self._forget_near(list(entries), skip))
+            far.failures = {**forgot, **far.failures}
             return far
         far, near = await asyncio.gather(self.far.write(entries, ttl, skip),
                                          self.near.write(entries, ttl, skip))
         self._near_outcome(state, near, "write")
-        if near.rejected:
-            await self._forget_near(list(near.rejected))
-        return WriteResult(written=far.written, failures={**near.failures, **far.failures},
+        forgot = await self._forget_near(list(near.rejected), skip) if near.rejected else {}
+        return WriteResult(written=far.written,
+                           failures={**forgot, **near.failures, **far.failures},
                            failed_keys=far.failed_keys, rejected=dict(far.rejected),
                            answered=[*near.answered, *far.answered], skipped=far.skipped)
 
-    async def _forget_near(self, keys: list[bytes]) -> None:
+    async def _forget_near(self, keys: list[bytes], skip: Collection[NodeName]
+                           ) -> dict[NodeName, StoreError]:
         """Delete from near the keys of a write it did not take (refused, or near paused):
         the value it may still hold under them is older than the one just written to far,
         and a near hit would serve it after the write (read your writes). One delete, which
-        a full store still takes (it frees room); never raises: near in trouble keeps what
-        it holds, as any node that missed a write."""
+        a full store still takes (it frees room). Never raises: a near backing off is not
+        asked (it keeps what it holds, as any node that missed a write), and a failure is
+        near's node's (so that the cache backs it off, as for a write)."""
+        nodes = self.near.node_names
+        if set(nodes) & set(skip):
+            return {}
         try:
             await self.near.delete_many(keys)
         except Exception as exc:  # StoreError, or a bug: a write must not raise for near
             self._warn("forget", f"deleting values near ({self.near.safe_url}) did not take "
                        f"raised {type(exc).__name__}: {exc}")
+            if isinstance(exc, StoreError) and len(nodes) == 1:
+                return {nodes[0]: exc}
+        return {}
 
     async def add_many(self, entries: Mapping[bytes, bytes], ttl: float) -> list[bool]:
         """Far only: a lease must be one every machine sees."""
