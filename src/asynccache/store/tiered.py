@@ -139,8 +139,9 @@ class Tiered(BaseClient[_Copies]):
     Counters, in keys (a chunked value's chunks count too), in the ``stats()`` of the
     cache or pipe that read: ``tier_near_hits``, ``tier_far_hits``, ``tier_copies``
     (copied into near), ``tier_near_refused`` (refused by near: full),
-    ``tier_near_dropped`` (not written to near: copies over ``max_copy_bytes``, or near
-    refusing or failing lately), ``tier_copy_failed`` (copies near failed to take).
+    ``tier_near_dropped`` (not written to near: copies over ``max_copy_bytes``, copies a
+    write of their key overtook, or near refusing or failing lately),
+    ``tier_copy_failed`` (copies near failed to take).
 
     A value overwritten in far by another machine stays in this machine's near until it
     expires there: give ``copy_ttl``, or use versioned namespaces (values never change
