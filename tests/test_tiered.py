@@ -201,6 +201,27 @@ def _full_near(kind: str, tmp_path: Path) -> Iterator[str]:
         yield server.url
 
 
+@pytest.mark.parametrize("near_kind", ["lmdb", "valkey-noeviction"])
+def test_a_value_a_full_near_refuses_replaces_the_one_near_held(
+        near_kind: str, far_server: servers.RedisServer, tmp_path: Path,
+        namespace: str) -> None:
+    """Read your writes with a full near: ``set(k, new)`` is taken by far and refused by
+    near, which held an older value under ``k``; ``get(k)`` must be ``new``, not the
+    older value near still had."""
+    with _full_near(near_kind, tmp_path) as near_url:
+        client = ac.Tiered(ac.connect(near_url), ac.connect(far_server.url))
+
+        async def body() -> Any:
+            async with ac.AsyncKVCache(client, namespace=namespace) as cache:
+                await cache.set("k", "old")
+                new = "new" * 100_000  # 300 KB: over either near's room
+                await cache.set("k", new)
+                return new, await cache.get("k")
+
+        new, got = asyncio.run(body())
+        assert got == new
+
+
 # -- far in trouble ----------------------------------------------------------------------------
 def test_far_killed_near_serves_what_it_holds_and_far_is_used_again_when_back(
         near_url: str, namespace: str, tmp_path: Path) -> None:

@@ -250,3 +250,140 @@ def test_a_cache_counts_the_tiers_in_its_stats(
     stats = asyncio.run(body())
     assert stats["hits"] == 10 and stats["errors"] == 0
     assert stats["tier_far_hits"] == 10 and stats["tier_copies"] == 10  # after aclose()
+
+
+class Small(ac.MemoryClient):
+    """A near store with little room: values over ``room`` bytes are refused one by one (as
+    a nearly full LMDB map or a Valkey at ``maxmemory`` answers), smaller ones taken."""
+
+    room = 10
+
+    async def write(self, entries: Mapping[bytes, bytes], ttl: float | None = None,
+                    skip: Collection[NodeName] = ()) -> WriteResult:
+        fits = {k: v for k, v in entries.items() if len(v) <= self.room}
+        await self.set_many(fits, ttl)
+        return WriteResult(written=len(fits), answered=list(self.node_names),
+                           rejected={k: ac.StoreRejected("full")
+                                     for k in entries if k not in fits})
+
+
+@pytest.mark.parametrize("how", ["refused", "paused"])
+def test_a_write_near_does_not_take_never_leaves_an_older_value_in_near(
+        how: str, stores: tuple[ac.MemoryClient, ac.MemoryClient]) -> None:
+    """Read your writes: ``set(k, new)`` then ``get(k)`` is ``new``, also when near refused
+    ``new`` (full) or was left alone for a while (it refused something else just before):
+    near must not keep serving the value it held before."""
+    _near, far = stores
+    near = Small(name=_near.name + "-small")
+    near.clear()
+    client = Tiered(near, far)
+
+    async def body() -> list[bytes | None]:
+        await client.set_many({b"k": b"old"})
+        assert near.data[b"k"][0] == b"old"
+        if how == "refused":
+            new = b"new" * 10  # over near's room: refused there, taken by far
+        else:
+            await client.set_many({b"big": b"x" * 100})  # refused: near is paused
+            new = b"new"  # would fit, but near is not asked while paused
+        await client.set_many({b"k": new})
+        got = await client.get_many([b"k"])
+        await client.close()
+        return [new, *got]
+
+    (new, got), _counts = counted(body)
+    assert got == new
+
+
+class Gated(ac.MemoryClient):
+    """A far store whose reads take their values at once and answer when ``gate`` opens:
+    a read sent before a write, answered after it (as on any network)."""
+
+    gate: asyncio.Event
+
+    async def get_many(self, keys: Any) -> list[bytes | None]:
+        values = await super().get_many(keys)
+        await self.gate.wait()
+        return values
+
+
+@pytest.mark.parametrize("then", ["set", "delete"])
+def test_a_copy_of_a_value_read_before_a_write_never_lands_over_the_write(
+        then: str, stores: tuple[ac.MemoryClient, ac.MemoryClient]) -> None:
+    """A far read answers ``old``; a write of ``new`` (or a delete) to both tiers completes
+    meanwhile; the read's copy of ``old`` must not then land in near, which would serve it
+    from then on (``copy_ttl=None``: for ever) though far holds ``new`` (or nothing)."""
+    near, _far = stores
+    far = Gated(name=_far.name + "-gated")
+    far.clear()
+    client = Tiered(near, far)
+
+    async def body() -> tuple[list[bytes | None], list[bytes | None]]:
+        far.gate = asyncio.Event()
+        far.gate.set()
+        await far.set_many({b"k": b"old"})
+        far.gate.clear()
+        reading = asyncio.ensure_future(client.get_many([b"k"]))
+        await asyncio.sleep(0.01)  # near missed, far's answer (old) is on its way
+        if then == "set":
+            await client.set_many({b"k": b"new"})
+        else:
+            await client.delete_many([b"k"])
+        far.gate.set()
+        first = await reading  # old: it was read before the write, rightly
+        await client.close()  # its copy, if any, landed
+        return first, await client.get_many([b"k"])
+
+    (first, after), _counts = counted(body)
+    assert first == [b"old"]
+    assert after == ([b"new"] if then == "set" else [None])
+
+
+def test_a_paused_near_backing_off_is_not_asked_to_delete_and_its_failure_is_its_nodes(
+        stores: tuple[ac.MemoryClient, ac.MemoryClient]) -> None:
+    """While near is left alone, a write deletes its keys from near -- but not from a near
+    the cache backs off (a black-holed one would cost its timeout on every write), and a
+    delete that fails is near's node's failure (so that the cache backs it off)."""
+    _near, far = stores
+
+    class Broken(Down):
+        async def delete_many(self, keys: Any) -> None:
+            self.calls["delete_many"] += 1
+            raise ac.StoreUnavailable("connection refused")
+
+    near = Broken(name=_near.name + "-broken")
+    client = Tiered(near, far)
+    node = near.node_names[0]
+
+    async def body() -> tuple[WriteResult, WriteResult]:
+        await client.write({b"a": b"1"})  # near fails: paused
+        backing_off = await client.write({b"b": b"2"}, skip={node})
+        assert near.calls["delete_many"] == 0
+        return backing_off, await client.write({b"c": b"3"})
+
+    (backing_off, asked), _counts = counted(body)
+    assert backing_off.written == 1 and not backing_off.failures
+    assert near.calls["delete_many"] == 1 and list(asked.failures) == [node]
+    assert asked.written == 1 and far.data[b"c"][0] == b"3"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a copy into near gets copy_ttl (default: none), whatever the namespace: values of an "
+    "unnamed namespace (a day in far, nobody can reuse them after the run) copied from far "
+    "stay in an LMDB near, which never evicts, until flushed. Tiered is a store and does not "
+    "know the cache's key layout (ac:anon-...); a fix crosses that layer: left to decide"))
+def test_a_copy_of_an_unnamed_namespaces_value_expires_in_near_as_in_far(
+        stores: tuple[ac.MemoryClient, ac.MemoryClient]) -> None:
+    near, far = stores
+
+    async def body() -> tuple[bytes, float | None]:
+        async with ac.AsyncKVCache(far) as writer:  # unnamed: its values live a day
+            await writer.set("k", "v")
+        async with ac.AsyncKVCache(Tiered(near, far), namespace=writer.keyspace) as reader:
+            assert await reader.get("k") == "v"  # a far hit, copied into near
+        key = writer.key("k")
+        return key, near.data[key][1]
+
+    key, expires = asyncio.run(body())
+    assert far.data[key][1] is not None
+    assert expires is not None  # near's copy never expires

@@ -10,10 +10,12 @@ node. Why each choice: docs/stores.md, "Tiers".
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,16 +34,72 @@ COPY_BYTES = 64 << 20
 #: is not asked again for every batch (it would try each key in a transaction of its own).
 PAUSE_START = 1.0
 PAUSE_MAX = 30.0
+#: Keys written lately that ``_Copies`` keeps at least (it drops those no open read can
+#: be older than once it holds more than this, or twice what it kept last time).
+KEEP_WRITTEN = 4096
 
 
 @dataclass
 class _Copies:
-    """This loop's copies into near: bytes in flight, their tasks, the pause."""
+    """This loop's copies into near: bytes in flight, their tasks, the pause; and what
+    keeps a copy from landing over a write: the writes under way and done lately, and
+    the reads whose copies are not sent yet."""
 
     pending: int = 0
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     paused_until: float = 0.0
     pause: float = PAUSE_START
+    #: writes and deletes done in this loop (numbers them)
+    done: int = 0
+    #: key -> writes and deletes of it under way
+    writing: dict[bytes, int] = field(default_factory=dict)
+    #: key -> number of its last write or delete, while a read older than it is open
+    written: dict[bytes, int] = field(default_factory=dict)
+    #: open reads (their copies not sent yet): token -> ``done`` when the read started
+    reads: dict[int, int] = field(default_factory=dict)
+    tokens: Iterator[int] = field(default_factory=itertools.count)
+    keep: int = KEEP_WRITTEN
+
+    def open_read(self) -> int:
+        token = next(self.tokens)
+        self.reads[token] = self.done
+        return token
+
+    def close_read(self, token: int) -> None:
+        """The read's copies are sent (or none will be): forget the writes only reads
+        older than every open one could have raced."""
+        self.reads.pop(token, None)
+        if not self.reads:
+            self.written.clear()
+        elif len(self.written) > self.keep:
+            oldest = min(self.reads.values())
+            self.written = {k: n for k, n in self.written.items() if n > oldest}
+            self.keep = max(KEEP_WRITTEN, 2 * len(self.written))
+
+    def overtaken(self, token: int, key: bytes) -> bool:
+        """A write or delete of ``key`` is under way or ended after the read ``token``
+        started: the value that read got from far may be older than near's now."""
+        return key in self.writing or self.written.get(key, -1) > self.reads[token]
+
+    @contextlib.contextmanager
+    def writes(self, keys: Iterable[bytes]) -> Iterator[None]:
+        """Around a write or delete of ``keys`` to both tiers (see `overtaken()`)."""
+        keys = list(keys)
+        writing = self.writing
+        for key in keys:
+            writing[key] = writing.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            for key in keys:
+                left = writing[key] - 1
+                if left:
+                    writing[key] = left
+                else:
+                    del writing[key]
+            self.done += 1
+            if self.reads:  # no open read: none can be older than this write
+                self.written.update(dict.fromkeys(keys, self.done))
 
     def paused(self) -> bool:
         return self.paused_until > 0.0 and time.monotonic() < self.paused_until
@@ -81,8 +139,9 @@ class Tiered(BaseClient[_Copies]):
     Counters, in keys (a chunked value's chunks count too), in the ``stats()`` of the
     cache or pipe that read: ``tier_near_hits``, ``tier_far_hits``, ``tier_copies``
     (copied into near), ``tier_near_refused`` (refused by near: full),
-    ``tier_near_dropped`` (not written to near: copies over ``max_copy_bytes``, or near
-    refusing or failing lately), ``tier_copy_failed`` (copies near failed to take).
+    ``tier_near_dropped`` (not written to near: copies over ``max_copy_bytes``, copies a
+    write of their key overtook, or near refusing or failing lately),
+    ``tier_copy_failed`` (copies near failed to take).
 
     A value overwritten in far by another machine stays in this machine's near until it
     expires there: give ``copy_ttl``, or use versioned namespaces (values never change
@@ -187,12 +246,27 @@ class Tiered(BaseClient[_Copies]):
         """Near's values; far's for the keys near lacks or could not read. A key near lacks
         and far could not read is ``NOT_READ`` (far may hold it); a key far lacks is absent
         whatever near could read (far is the store of record)."""
+        state = self._state()
+        token = state.open_read()
+        sent = False
+        try:
+            result, copies = await self._read(keys, skip)
+            if copies:
+                sent = self._copy(state, token, copies)
+            return result
+        finally:
+            if not sent:
+                state.close_read(token)
+
+    async def _read(self, keys: Sequence[bytes], skip: Collection[NodeName]
+                    ) -> tuple[ReadResult, dict[bytes, bytes]]:
+        """The read, and far's hits to copy into near."""
         near = await self.near.read(keys, skip)
         values = list(near.values)
         wanted = [i for i, value in enumerate(values) if value is None or value is NOT_READ]
         count("tier_near_hits", len(values) - len(wanted))
         if not wanted:
-            return near
+            return near, {}
         far = await self.far.read([keys[i] for i in wanted], skip)
         copies: dict[bytes, bytes] = {}
         for i, value in zip(wanted, far.values):
@@ -203,18 +277,16 @@ class Tiered(BaseClient[_Copies]):
                 copies[keys[i]] = value
             values[i] = value
         count("tier_far_hits", sum(1 for v in far.values if v is not None and v is not NOT_READ))
-        if copies:
-            self._copy(copies)
         return ReadResult(values, {**near.failures, **far.failures},
-                          [*near.answered, *far.answered], near.skipped + far.skipped)
+                          [*near.answered, *far.answered], near.skipped + far.skipped), copies
 
-    def _copy(self, entries: dict[bytes, bytes]) -> None:
-        """Write far's hits into near behind the read: what fits in ``max_copy_bytes``
-        (less what is in flight), nothing while near is paused. Never raises."""
-        state = self._state()
+    def _copy(self, state: _Copies, token: int, entries: dict[bytes, bytes]) -> bool:
+        """Write far's hits into near behind the read ``token``: what fits in
+        ``max_copy_bytes`` (less what is in flight), nothing while near is paused. True
+        when a copy was started (it closes the read). Never raises."""
         if state.paused():
             count("tier_near_dropped", len(entries))
-            return
+            return False
         room = self.max_copy_bytes - state.pending
         batch: dict[bytes, bytes] = {}
         size = 0
@@ -225,14 +297,28 @@ class Tiered(BaseClient[_Copies]):
             size += len(value)
         count("tier_near_dropped", len(entries) - len(batch))
         if not batch:
-            return
+            return False
         state.pending += size
-        task = asyncio.get_running_loop().create_task(self._copy_now(state, batch, size))
+        task = asyncio.get_running_loop().create_task(
+            self._copy_now(state, token, batch, size))
         state.tasks.add(task)
         task.add_done_callback(state.tasks.discard)
+        return True
 
-    async def _copy_now(self, state: _Copies, batch: dict[bytes, bytes], size: int) -> None:
+    async def _copy_now(self, state: _Copies, token: int, batch: dict[bytes, bytes],
+                        size: int) -> None:
+        """The copy, less the keys a write or delete overtook since the read started
+        (checked here, with nothing awaited until near has the copy: a write sent after
+        this check reaches near after the copy, and wins)."""
         try:
+            fresh = {k: v for k, v in batch.items() if not state.overtaken(token, k)}
+        finally:
+            state.close_read(token)
+        count("tier_near_dropped", len(batch) - len(fresh))
+        batch = fresh
+        try:
+            if not batch:
+                return
             result = await self.near.write(batch, self.copy_ttl)
         except Exception as exc:  # ConfigError, or a bug: a copy must never raise
             count("tier_copy_failed", len(batch))
@@ -276,16 +362,45 @@ class Tiered(BaseClient[_Copies]):
         if not entries:
             return WriteResult()
         state = self._state()
+        with state.writes(entries):
+            return await self._write(state, entries, ttl, skip)
+
+    async def _write(self, state: _Copies, entries: Mapping[bytes, bytes], ttl: float | None,
+                     skip: Collection[NodeName]) -> WriteResult:
         if state.paused():
             count("tier_near_dropped", len(entries))
-            far = await self.far.write(entries, ttl, skip)
+            far, forgot = await asyncio.gather(self.far.write(entries, ttl, skip),
+                                               self._forget_near(list(entries), skip))
+            far.failures = {**forgot, **far.failures}
             return far
         far, near = await asyncio.gather(self.far.write(entries, ttl, skip),
                                          self.near.write(entries, ttl, skip))
         self._near_outcome(state, near, "write")
-        return WriteResult(written=far.written, failures={**near.failures, **far.failures},
+        forgot = await self._forget_near(list(near.rejected), skip) if near.rejected else {}
+        return WriteResult(written=far.written,
+                           failures={**forgot, **near.failures, **far.failures},
                            failed_keys=far.failed_keys, rejected=dict(far.rejected),
                            answered=[*near.answered, *far.answered], skipped=far.skipped)
+
+    async def _forget_near(self, keys: list[bytes], skip: Collection[NodeName]
+                           ) -> dict[NodeName, StoreError]:
+        """Delete from near the keys of a write it did not take (refused, or near paused):
+        the value it may still hold under them is older than the one just written to far,
+        and a near hit would serve it after the write (read your writes). One delete, which
+        a full store still takes (it frees room). Never raises: a near backing off is not
+        asked (it keeps what it holds, as any node that missed a write), and a failure is
+        near's node's (so that the cache backs it off, as for a write)."""
+        nodes = self.near.node_names
+        if set(nodes) & set(skip):
+            return {}
+        try:
+            await self.near.delete_many(keys)
+        except Exception as exc:  # StoreError, or a bug: a write must not raise for near
+            self._warn("forget", f"deleting values near ({self.near.safe_url}) did not take "
+                       f"raised {type(exc).__name__}: {exc}")
+            if isinstance(exc, StoreError) and len(nodes) == 1:
+                return {nodes[0]: exc}
+        return {}
 
     async def add_many(self, entries: Mapping[bytes, bytes], ttl: float) -> list[bool]:
         """Far only: a lease must be one every machine sees."""
@@ -293,8 +408,9 @@ class Tiered(BaseClient[_Copies]):
 
     async def delete_many(self, keys: Sequence[bytes]) -> None:
         """From both tiers; raises the first failure (far's first) once both were tried."""
-        outcomes = await asyncio.gather(self.far.delete_many(keys), self.near.delete_many(keys),
-                                        return_exceptions=True)
+        with self._state().writes(keys):
+            outcomes = await asyncio.gather(self.far.delete_many(keys),
+                                            self.near.delete_many(keys), return_exceptions=True)
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome

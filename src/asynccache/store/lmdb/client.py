@@ -203,11 +203,15 @@ class LmdbClient(Provider):
     async def write(self, entries: Mapping[bytes, bytes], ttl: float | None = None,
                     skip: Collection[NodeName] = ()) -> WriteResult:
         """One transaction for the batch; when the map is full, one per key, so that the
-        values that still fit are written and only the others are rejected."""
+        values that still fit are written and only the others are rejected. A full map
+        refuses keys (``rejected``), whatever the batch's size: the node answered."""
         result = await super().write(entries, ttl, skip)
         node = self.node_names[0]
-        if len(entries) < 2 or not isinstance(result.failures.get(node), StoreRejected):
+        refused = result.failures.get(node)
+        if not isinstance(refused, StoreRejected):
             return result
+        if len(entries) < 2:
+            return WriteResult(answered=[node], rejected=dict.fromkeys(entries, refused))
         out = WriteResult(answered=[node])
         for key, value in entries.items():
             try:
