@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 import multiprocessing
 import os
@@ -152,6 +153,53 @@ def test_writes_reach_both_tiers_with_their_ttl(
     assert 0 < int(ttl) <= 1000
     time.sleep(1.2)
     assert asyncio.run(look()) == ([None] * 8, [None] * 8)  # expired in both tiers
+
+
+def test_a_value_set_with_a_ttl_expires_even_when_far_outlives_near(
+        memcached_server: servers.MemcachedServer, near_url: str, namespace: str) -> None:
+    """memcached keeps a value whole seconds, rounded up (ttl=0.5: 1 to 2 s); LMDB to
+    the instant. Read between the two expiries, the value is a far hit and is copied back
+    into near: the copy must expire too (no later than the cache's ttl), not live on in
+    near after far dropped it."""
+
+    async def body() -> tuple[Any, Any]:
+        client = ac.Tiered(ac.connect(near_url), ac.connect(memcached_server.url))
+        async with ac.AsyncKVCache(client, namespace=namespace, ttl=0.5) as cache:
+            await cache.set("k", "v")
+            await asyncio.sleep(0.8)  # gone from near, still in far (at least 1 s there)
+            between = await cache.get("k", "gone")
+        await asyncio.sleep(3.0)  # far's expiry too, and any copy's
+        async with ac.AsyncKVCache(ac.Tiered(ac.connect(near_url),
+                                             ac.connect(memcached_server.url)),
+                                   namespace=namespace) as cache:
+            return between, await cache.get("k", "gone")
+
+    between, later = asyncio.run(body())
+    assert between == "v"  # from far
+    assert later == "gone"  # a set with ttl=1 never lives on in near
+
+
+def test_a_copy_into_near_expires_with_the_reading_caches_ttl(
+        far_server: servers.RedisServer, near_url: str, namespace: str) -> None:
+    """Another machine wrote the value into far with ttl=1; this machine's cache (same
+    ttl) reads it, and near keeps a copy: once far has dropped it, near must not serve
+    it for ever (copy_ttl is not given)."""
+
+    async def body() -> tuple[Any, Any]:
+        async with ac.AsyncKVCache(ac.connect(far_server.url), namespace=namespace,
+                                   ttl=datetime.timedelta(seconds=1)) as other_machine:
+            await other_machine.set("k", "v")
+        client = ac.Tiered(ac.connect(near_url), ac.connect(far_server.url))
+        async with ac.AsyncKVCache(client, namespace=namespace,
+                                   ttl=datetime.timedelta(seconds=1)) as cache:
+            first = await cache.get("k", "gone")  # a far hit, copied into near
+        await asyncio.sleep(2.0)
+        async with ac.AsyncKVCache(client, namespace=namespace, ttl=1) as cache:
+            return first, await cache.get("k", "gone")
+
+    first, later = asyncio.run(body())
+    assert first == "v"
+    assert later == "gone"
 
 
 @pytest.mark.parametrize("near_kind", ["lmdb", "valkey-noeviction"])
