@@ -176,7 +176,7 @@ def test_a_value_set_with_a_ttl_expires_even_when_far_outlives_near(
 
     between, later = asyncio.run(body())
     assert between == "v"  # from far
-    assert later == "gone"  # a set with ttl=1 never lives on in near
+    assert later == "gone"  # a value set with a ttl never lives on in near
 
 
 def test_a_copy_into_near_expires_with_the_reading_caches_ttl(

@@ -20,7 +20,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError, StoreError
-from .api import NOT_READ, BaseClient, ConsumerReads, NodeName, ReadResult, WriteResult, count
+from .api import (
+    NOT_READ,
+    READ_TTL,
+    BaseClient,
+    ConsumerReads,
+    NodeName,
+    ReadResult,
+    WriteResult,
+    count,
+)
 
 __all__ = ["COPY_BYTES", "PAUSE_MAX", "PAUSE_START", "Tiered"]
 
@@ -128,7 +137,8 @@ class Tiered(BaseClient[_Copies]):
 
     * reads: one read of near, then one read of far for the keys near lacks (or could
       not read); far's hits are copied into near after the read returns, at most
-      ``max_copy_bytes`` in flight, with ``copy_ttl`` (None: no expiry);
+      ``max_copy_bytes`` in flight, expiring after ``copy_ttl`` or the reading cache's
+      ttl, whichever is shorter (neither: no expiry);
     * writes: to far and near at once, each with the write's ttl; a value near refuses
       (full) or cannot take is still written to far, and counted;
     * leases (``add_many``): far only, the one store every machine sees;
@@ -143,7 +153,7 @@ class Tiered(BaseClient[_Copies]):
     write of their key overtook, or near refusing or failing lately),
     ``tier_copy_failed`` (copies near failed to take).
 
-    A value overwritten in far by another machine stays in this machine's near until it
+    A value overwritten or dropped in far stays in this machine's near until its copy
     expires there: give ``copy_ttl``, or use versioned namespaces (values never change
     under a key). No reads on the consumer's own thread: read-ahead goes through the
     loop (docs/stores.md, "Tiers").
@@ -252,7 +262,7 @@ class Tiered(BaseClient[_Copies]):
         try:
             result, copies = await self._read(keys, skip)
             if copies:
-                sent = self._copy(state, token, copies)
+                sent = self._copy(state, token, copies, self._copy_ttl())
             return result
         finally:
             if not sent:
@@ -280,7 +290,17 @@ class Tiered(BaseClient[_Copies]):
         return ReadResult(values, {**near.failures, **far.failures},
                           [*near.answered, *far.answered], near.skipped + far.skipped), copies
 
-    def _copy(self, state: _Copies, token: int, entries: dict[bytes, bytes]) -> bool:
+    def _copy_ttl(self) -> float | None:
+        """The expiry of copies made for the read under way: ``copy_ttl``, and no longer
+        than the reading cache's ttl (`READ_TTL`). Far may have held the value for a
+        while, so its own expiry is within that ttl from now: a copy kept longer (or for
+        ever) would serve a value far dropped, as would a copy made after near's own
+        expiry of the value (memcached rounds up to whole seconds, LMDB does not)."""
+        bounds = [t for t in (self.copy_ttl, READ_TTL.get()) if t is not None]
+        return min(bounds) if bounds else None
+
+    def _copy(self, state: _Copies, token: int, entries: dict[bytes, bytes],
+              ttl: float | None) -> bool:
         """Write far's hits into near behind the read ``token``: what fits in
         ``max_copy_bytes`` (less what is in flight), nothing while near is paused. True
         when a copy was started (it closes the read). Never raises."""
@@ -300,13 +320,13 @@ class Tiered(BaseClient[_Copies]):
             return False
         state.pending += size
         task = asyncio.get_running_loop().create_task(
-            self._copy_now(state, token, batch, size))
+            self._copy_now(state, token, batch, size, ttl))
         state.tasks.add(task)
         task.add_done_callback(state.tasks.discard)
         return True
 
     async def _copy_now(self, state: _Copies, token: int, batch: dict[bytes, bytes],
-                        size: int) -> None:
+                        size: int, ttl: float | None) -> None:
         """The copy, less the keys a write or delete overtook since the read started
         (checked here, with nothing awaited until near has the copy: a write sent after
         this check reaches near after the copy, and wins)."""
@@ -319,7 +339,7 @@ class Tiered(BaseClient[_Copies]):
         try:
             if not batch:
                 return
-            result = await self.near.write(batch, self.copy_ttl)
+            result = await self.near.write(batch, ttl)
         except Exception as exc:  # ConfigError, or a bug: a copy must never raise
             count("tier_copy_failed", len(batch))
             state.trouble()
