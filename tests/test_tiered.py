@@ -488,6 +488,26 @@ def test_warm_stats_and_flush_work_on_both_tiers(
     assert after["keys"] == 0 and after["near"]["keys"] == 0
 
 
+def test_flush_with_near_a_no_to_either_prompt_deletes_nothing(
+        far_server: servers.RedisServer, near_url: str, namespace: str) -> None:
+    """Two prompts (far's, then near's): "nothing deleted" (exit 1) must be true, so a
+    "no" to near's prompt must not come after far was already flushed."""
+    fill_far(far_server.url, namespace, range(8))
+    client = ac.Tiered(ac.connect(near_url), ac.connect(far_server.url))
+    with ac.AsyncKVCacheMapDataPipe(Source(), client, namespace=namespace) as dp:
+        dp.__getitems__(list(range(8)))  # near holds copies of them
+    assert near_keys(near_url, namespace) == 8
+
+    environ = {**os.environ, "PYTHONPATH": str(Path(ac.__file__).parent.parent)}
+    done = subprocess.run([sys.executable, "-m", "asynccache", "flush", far_server.url,
+                           "--near", near_url, "--namespace", namespace],
+                          input="y\nn\n", capture_output=True, text=True, timeout=120,
+                          env=environ, check=False)
+    assert done.returncode == 1 and "nothing deleted" in done.stderr, done.stderr
+    assert near_keys(near_url, namespace) == 8
+    assert near_keys(far_server.url, namespace) == 8  # far's keys are still there
+
+
 # -- the benchmark module -------------------------------------------------------------------------
 @pytest.mark.timeout(180)
 def test_the_tiered_bench_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
