@@ -7,6 +7,7 @@ The acceptance tests (real servers, killed and black-holed): tests/test_tiered.p
 from __future__ import annotations
 
 import asyncio
+import datetime
 import pickle
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -387,3 +388,13 @@ def test_a_copy_of_an_unnamed_namespaces_value_expires_in_near_as_in_far(
     assert far_expires is not None
     assert expires is not None  # not kept for ever in a near that never evicts
     assert expires - far_expires <= 60  # a day, as in far (read a moment after the write)
+
+
+def test_copy_ttl_takes_a_timedelta_like_every_ttl(
+        stores: tuple[ac.MemoryClient, ac.MemoryClient]) -> None:
+    """The one TTL rule (seconds or a datetime.timedelta wherever a ttl is accepted)
+    holds for ``copy_ttl`` too; what it refuses is still a ConfigError."""
+    near, far = stores
+    assert Tiered(near, far, copy_ttl=datetime.timedelta(minutes=2)).copy_ttl == 120.0
+    with pytest.raises(ac.ConfigError, match="copy_ttl"):
+        Tiered(near, far, copy_ttl=datetime.timedelta(0))
