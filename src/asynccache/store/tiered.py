@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import itertools
 import logging
 import math
@@ -162,7 +163,8 @@ class Tiered(BaseClient[_Copies]):
     scheme = "tiered"
 
     def __init__(self, near: BaseClient[Any], far: BaseClient[Any], *,
-                 copy_ttl: float | None = None, max_copy_bytes: int = COPY_BYTES) -> None:
+                 copy_ttl: float | datetime.timedelta | None = None,
+                 max_copy_bytes: int = COPY_BYTES) -> None:
         for name, client in (("near", near), ("far", far)):
             if not isinstance(client, BaseClient):
                 raise ConfigError(f"Tiered: {name} must be a client from asynccache.connect(url), "
@@ -171,11 +173,14 @@ class Tiered(BaseClient[_Copies]):
             raise ConfigError(f"Tiered: near and far are the same store ({near.safe_url}); "
                               "near is a store of this machine in front of a shared one: "
                               "give two different stores")
+        if isinstance(copy_ttl, datetime.timedelta):  # as every ttl (cache/expiry.py)
+            copy_ttl = copy_ttl.total_seconds()
         if copy_ttl is not None and (isinstance(copy_ttl, bool)
                                      or not isinstance(copy_ttl, int | float)
                                      or not math.isfinite(copy_ttl) or copy_ttl <= 0):
-            raise ConfigError(f"Tiered: copy_ttl must be a positive number of seconds or None "
-                              f"(copies never expire), got {copy_ttl!r}")
+            raise ConfigError(f"Tiered: copy_ttl must be a positive number of seconds, a "
+                              f"datetime.timedelta or None (copies expire with the "
+                              f"reading cache's ttl alone), got {copy_ttl!r}")
         if type(max_copy_bytes) is not int or max_copy_bytes < 0:
             raise ConfigError(f"Tiered: max_copy_bytes must be an int >= 0 (0: never copy far's "
                               f"hits into near), got {max_copy_bytes!r}")
