@@ -398,3 +398,21 @@ def test_copy_ttl_takes_a_timedelta_like_every_ttl(
     assert Tiered(near, far, copy_ttl=datetime.timedelta(minutes=2)).copy_ttl == 120.0
     with pytest.raises(ac.ConfigError, match="copy_ttl"):
         Tiered(near, far, copy_ttl=datetime.timedelta(0))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "mask_text masks from the first scheme:// to the last '@' of the whole message (so it "
+    "never masks less than a password, whatever the password holds): a command-line error "
+    "naming a tiered client (two URLs with passwords) loses everything between them, and "
+    "reads 'tiered(near=<far's host>: <error>'. Masking each URL apart must not let a raw "
+    "password with '@', ', ' or '://' through: left to decide in store/credentials.py"))
+def test_a_tiered_error_message_keeps_which_tier_failed_after_masking() -> None:
+    from asynccache.store.credentials import mask_text
+
+    near = ac.connect("redis://:nearpw@127.0.0.1:6390/0")
+    far = ac.connect("redis://:farpw@127.0.0.1:1/0")
+    message = (f"flush of ac:ns: on {Tiered(near, far).safe_url} failed: "
+               f"{far.safe_url}: connection refused")
+    masked = mask_text(message)
+    assert "nearpw" not in masked and "farpw" not in masked
+    assert masked == message  # already safe: nothing to take out
