@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 import multiprocessing
 import os
@@ -152,6 +153,53 @@ def test_writes_reach_both_tiers_with_their_ttl(
     assert 0 < int(ttl) <= 1000
     time.sleep(1.2)
     assert asyncio.run(look()) == ([None] * 8, [None] * 8)  # expired in both tiers
+
+
+def test_a_value_set_with_a_ttl_expires_even_when_far_outlives_near(
+        memcached_server: servers.MemcachedServer, near_url: str, namespace: str) -> None:
+    """memcached keeps a value whole seconds, rounded up (ttl=0.5: 1 to 2 s); LMDB to
+    the instant. Read between the two expiries, the value is a far hit and is copied back
+    into near: the copy must expire too (no later than the cache's ttl), not live on in
+    near after far dropped it."""
+
+    async def body() -> tuple[Any, Any]:
+        client = ac.Tiered(ac.connect(near_url), ac.connect(memcached_server.url))
+        async with ac.AsyncKVCache(client, namespace=namespace, ttl=0.5) as cache:
+            await cache.set("k", "v")
+            await asyncio.sleep(0.8)  # gone from near, still in far (at least 1 s there)
+            between = await cache.get("k", "gone")
+        await asyncio.sleep(3.0)  # far's expiry too, and any copy's
+        async with ac.AsyncKVCache(ac.Tiered(ac.connect(near_url),
+                                             ac.connect(memcached_server.url)),
+                                   namespace=namespace) as cache:
+            return between, await cache.get("k", "gone")
+
+    between, later = asyncio.run(body())
+    assert between == "v"  # from far
+    assert later == "gone"  # a value set with a ttl never lives on in near
+
+
+def test_a_copy_into_near_expires_with_the_reading_caches_ttl(
+        far_server: servers.RedisServer, near_url: str, namespace: str) -> None:
+    """Another machine wrote the value into far with ttl=1; this machine's cache (same
+    ttl) reads it, and near keeps a copy: once far has dropped it, near must not serve
+    it for ever (copy_ttl is not given)."""
+
+    async def body() -> tuple[Any, Any]:
+        async with ac.AsyncKVCache(ac.connect(far_server.url), namespace=namespace,
+                                   ttl=datetime.timedelta(seconds=1)) as other_machine:
+            await other_machine.set("k", "v")
+        client = ac.Tiered(ac.connect(near_url), ac.connect(far_server.url))
+        async with ac.AsyncKVCache(client, namespace=namespace,
+                                   ttl=datetime.timedelta(seconds=1)) as cache:
+            first = await cache.get("k", "gone")  # a far hit, copied into near
+        await asyncio.sleep(2.0)
+        async with ac.AsyncKVCache(client, namespace=namespace, ttl=1) as cache:
+            return first, await cache.get("k", "gone")
+
+    first, later = asyncio.run(body())
+    assert first == "v"
+    assert later == "gone"
 
 
 @pytest.mark.parametrize("near_kind", ["lmdb", "valkey-noeviction"])
@@ -438,6 +486,26 @@ def test_warm_stats_and_flush_work_on_both_tiers(
     after = run_cli("stats", far_url, "--near", near_url, "--namespace", namespace,
                     cwd=tmp_path)
     assert after["keys"] == 0 and after["near"]["keys"] == 0
+
+
+def test_flush_with_near_a_no_to_either_prompt_deletes_nothing(
+        far_server: servers.RedisServer, near_url: str, namespace: str) -> None:
+    """Two prompts (far's, then near's): "nothing deleted" (exit 1) must be true, so a
+    "no" to near's prompt must not come after far was already flushed."""
+    fill_far(far_server.url, namespace, range(8))
+    client = ac.Tiered(ac.connect(near_url), ac.connect(far_server.url))
+    with ac.AsyncKVCacheMapDataPipe(Source(), client, namespace=namespace) as dp:
+        dp.__getitems__(list(range(8)))  # near holds copies of them
+    assert near_keys(near_url, namespace) == 8
+
+    environ = {**os.environ, "PYTHONPATH": str(Path(ac.__file__).parent.parent)}
+    done = subprocess.run([sys.executable, "-m", "asynccache", "flush", far_server.url,
+                           "--near", near_url, "--namespace", namespace],
+                          input="y\nn\n", capture_output=True, text=True, timeout=120,
+                          env=environ, check=False)
+    assert done.returncode == 1 and "nothing deleted" in done.stderr, done.stderr
+    assert near_keys(near_url, namespace) == 8
+    assert near_keys(far_server.url, namespace) == 8  # far's keys are still there
 
 
 # -- the benchmark module -------------------------------------------------------------------------

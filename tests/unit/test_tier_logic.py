@@ -7,6 +7,7 @@ The acceptance tests (real servers, killed and black-holed): tests/test_tiered.p
 from __future__ import annotations
 
 import asyncio
+import datetime
 import pickle
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -367,13 +368,11 @@ def test_a_paused_near_backing_off_is_not_asked_to_delete_and_its_failure_is_its
     assert asked.written == 1 and far.data[b"c"][0] == b"3"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a copy into near gets copy_ttl (default: none), whatever the namespace: values of an "
-    "unnamed namespace (a day in far, nobody can reuse them after the run) copied from far "
-    "stay in an LMDB near, which never evicts, until flushed. Tiered is a store and does not "
-    "know the cache's key layout (ac:anon-...); a fix crosses that layer: left to decide"))
 def test_a_copy_of_an_unnamed_namespaces_value_expires_in_near_as_in_far(
         stores: tuple[ac.MemoryClient, ac.MemoryClient]) -> None:
+    """Values of an unnamed namespace live a day in far (nobody can reuse them after the
+    run): a copy of one in near, which may never evict (LMDB), expires with them: the
+    reading cache's ttl bounds the copy's (READ_TTL)."""
     near, far = stores
 
     async def body() -> tuple[bytes, float | None]:
@@ -385,5 +384,35 @@ def test_a_copy_of_an_unnamed_namespaces_value_expires_in_near_as_in_far(
         return key, near.data[key][1]
 
     key, expires = asyncio.run(body())
-    assert far.data[key][1] is not None
-    assert expires is not None  # near's copy never expires
+    far_expires = far.data[key][1]
+    assert far_expires is not None
+    assert expires is not None  # not kept for ever in a near that never evicts
+    assert expires - far_expires <= 60  # a day, as in far (read a moment after the write)
+
+
+def test_copy_ttl_takes_a_timedelta_like_every_ttl(
+        stores: tuple[ac.MemoryClient, ac.MemoryClient]) -> None:
+    """The one TTL rule (seconds or a datetime.timedelta wherever a ttl is accepted)
+    holds for ``copy_ttl`` too; what it refuses is still a ConfigError."""
+    near, far = stores
+    assert Tiered(near, far, copy_ttl=datetime.timedelta(minutes=2)).copy_ttl == 120.0
+    with pytest.raises(ac.ConfigError, match="copy_ttl"):
+        Tiered(near, far, copy_ttl=datetime.timedelta(0))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "mask_text masks from the first scheme:// to the last '@' of the whole message (so it "
+    "never masks less than a password, whatever the password holds): a command-line error "
+    "naming a tiered client (two URLs with passwords) loses everything between them, and "
+    "reads 'tiered(near=<far's host>: <error>'. Masking each URL apart must not let a raw "
+    "password with '@', ', ' or '://' through: left to decide in store/credentials.py"))
+def test_a_tiered_error_message_keeps_which_tier_failed_after_masking() -> None:
+    from asynccache.store.credentials import mask_text
+
+    near = ac.connect("redis://:nearpw@127.0.0.1:6390/0")
+    far = ac.connect("redis://:farpw@127.0.0.1:1/0")
+    message = (f"flush of ac:ns: on {Tiered(near, far).safe_url} failed: "
+               f"{far.safe_url}: connection refused")
+    masked = mask_text(message)
+    assert "nearpw" not in masked and "farpw" not in masked
+    assert masked == message  # already safe: nothing to take out

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DecodeError, FormatMismatch, StoreError
-from ..store.api import STORE_COUNTS
+from ..store.api import READ_TTL, STORE_COUNTS
 from . import chunks
 from .codec import ChunkManifest
 from .markers import MISSING, NOT_READ, Failed
@@ -43,9 +43,11 @@ class ReadPath:
         async with cache._loop().in_flight:
             sent = time.perf_counter_ns()
             counts = STORE_COUNTS.set(cache.counters.add)  # the store's own counts: ours
+            ttl = READ_TTL.set(cache.ttl)  # copies a store keeps expire as our values do
             try:
                 result = await cache.client.read(store_keys, policy.down())
             finally:
+                READ_TTL.reset(ttl)
                 STORE_COUNTS.reset(counts)
         done = time.perf_counter_ns()
         if result.answered or result.failures:  # a request left (not every node skipped)

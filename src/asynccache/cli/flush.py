@@ -11,7 +11,8 @@ must be said explicitly. With the prompt, the keys deleted are those counted for
 keys written after the listing are left (run it again, or stop the writers first).
 
 With ``--near NEAR_URL`` (a tiered client, `asynccache.Tiered`) both tiers are
-flushed, near then far (each with its own prompt), and reported under ``"tiers"``.
+flushed, far then near, and reported under ``"tiers"``. Each tier has its own prompt,
+all asked before anything is deleted: a "no" to any of them deletes nothing, as it says.
 """
 
 from __future__ import annotations
@@ -73,10 +74,13 @@ async def _flush(args: argparse.Namespace) -> int:
     where = {"url": client.safe_url, "namespace": args.namespace, "prefix": prefix.decode()}
     tiers: dict[str, dict[str, Any]] = {}
     try:
-        for tier, store in tiers_of(client):  # with --near: far (the URL), then near
-            code, done = await _flush_one(args, store, prefix)
-            if code != EXIT_OK:
-                return code
+        stores = tiers_of(client)  # with --near: far (the URL), then near
+        listed = [await _listed_and_confirmed(args, store, prefix) for _tier, store in stores]
+        if any(keys is False for keys in listed):
+            print("nothing deleted", file=sys.stderr)
+            return EXIT_FAILED
+        for (tier, store), keys in zip(stores, listed):
+            done = await _flush_one(args, store, prefix, keys)
             if tier is not None:
                 tiers[tier] = {"url": store.safe_url, **done}
     except StoreError as exc:
@@ -103,19 +107,29 @@ def _listed(tiers: dict[str, dict[str, Any]], document: dict[str, Any]
     return list(tiers.values()) if tiers else [document]
 
 
-async def _flush_one(args: argparse.Namespace, client: BaseClient[Any], prefix: bytes
-                     ) -> tuple[int, dict[str, int]]:
-    """One store: (exit code, {"keys": listed, "deleted": deleted})."""
+async def _listed_and_confirmed(args: argparse.Namespace, client: BaseClient[Any],
+                                prefix: bytes) -> list[bytes] | bool:
+    """One store's keys, listed for the prompt (or ``--dry-run``) and confirmed; False
+    when the user said no; True with ``--yes`` (listed while deleting, `_delete_as_listed`)."""
     if args.yes and not args.dry_run:
-        deleted = await _delete_as_listed(client, prefix)
-        return EXIT_OK, {"keys": deleted, "deleted": deleted}
+        return True
     keys = await _list(client, prefix)
+    if not args.dry_run and keys and not _confirm(len(keys), prefix, client.safe_url):
+        return False
+    return keys
+
+
+async def _flush_one(args: argparse.Namespace, client: BaseClient[Any], prefix: bytes,
+                     keys: list[bytes] | bool) -> dict[str, int]:
+    """One store, its keys confirmed (`_listed_and_confirmed`): {"keys": listed,
+    "deleted": deleted}."""
+    if keys is True:
+        deleted = await _delete_as_listed(client, prefix)
+        return {"keys": deleted, "deleted": deleted}
+    assert keys is not False  # a "no" returned before anything was deleted
     if args.dry_run:
-        return EXIT_OK, {"keys": len(keys), "deleted": 0}
-    if keys and not _confirm(len(keys), prefix, client.safe_url):
-        print("nothing deleted", file=sys.stderr)
-        return EXIT_FAILED, {}
-    return EXIT_OK, {"keys": len(keys), "deleted": await _delete(client, keys)}
+        return {"keys": len(keys), "deleted": 0}
+    return {"keys": len(keys), "deleted": await _delete(client, keys)}
 
 
 async def _list(client: BaseClient[Any], prefix: bytes) -> list[bytes]:

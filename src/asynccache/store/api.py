@@ -29,6 +29,7 @@ __all__ = [
     "DEFAULT_CONNECT_TIMEOUT",
     "DEFAULT_TIMEOUT",
     "NOT_READ",
+    "READ_TTL",
     "STORE_COUNTS",
     "AnsweredAtSend",
     "BaseClient",
@@ -63,6 +64,15 @@ NodeName = NewType("NodeName", str)
 #: the counts are not kept.
 STORE_COUNTS: contextvars.ContextVar[Callable[[str, int], None] | None] = (
     contextvars.ContextVar("asynccache_store_counts", default=None))
+
+
+#: The expiry of the values of the cache whose read is running (its ``ttl``; an unnamed
+#: namespace's day), set by the cache around each read it sends. A store that keeps a
+#: copy of what it read (a tiered client's near) gives the copy no longer: the original
+#: expires within that much, and a copy without expiry would outlive it for ever. None
+#: (unset, or a cache without ttl): no bound.
+READ_TTL: contextvars.ContextVar[float | None] = (
+    contextvars.ContextVar("asynccache_read_ttl", default=None))
 
 
 def count(name: str, n: int) -> None:

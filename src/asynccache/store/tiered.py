@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import itertools
 import logging
 import math
@@ -20,7 +21,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError, StoreError
-from .api import NOT_READ, BaseClient, ConsumerReads, NodeName, ReadResult, WriteResult, count
+from .api import (
+    NOT_READ,
+    READ_TTL,
+    BaseClient,
+    ConsumerReads,
+    NodeName,
+    ReadResult,
+    WriteResult,
+    count,
+)
 
 __all__ = ["COPY_BYTES", "PAUSE_MAX", "PAUSE_START", "Tiered"]
 
@@ -128,7 +138,8 @@ class Tiered(BaseClient[_Copies]):
 
     * reads: one read of near, then one read of far for the keys near lacks (or could
       not read); far's hits are copied into near after the read returns, at most
-      ``max_copy_bytes`` in flight, with ``copy_ttl`` (None: no expiry);
+      ``max_copy_bytes`` in flight, expiring after ``copy_ttl`` or the reading cache's
+      ttl, whichever is shorter (neither: no expiry);
     * writes: to far and near at once, each with the write's ttl; a value near refuses
       (full) or cannot take is still written to far, and counted;
     * leases (``add_many``): far only, the one store every machine sees;
@@ -143,7 +154,7 @@ class Tiered(BaseClient[_Copies]):
     write of their key overtook, or near refusing or failing lately),
     ``tier_copy_failed`` (copies near failed to take).
 
-    A value overwritten in far by another machine stays in this machine's near until it
+    A value overwritten or dropped in far stays in this machine's near until its copy
     expires there: give ``copy_ttl``, or use versioned namespaces (values never change
     under a key). No reads on the consumer's own thread: read-ahead goes through the
     loop (docs/stores.md, "Tiers").
@@ -152,7 +163,8 @@ class Tiered(BaseClient[_Copies]):
     scheme = "tiered"
 
     def __init__(self, near: BaseClient[Any], far: BaseClient[Any], *,
-                 copy_ttl: float | None = None, max_copy_bytes: int = COPY_BYTES) -> None:
+                 copy_ttl: float | datetime.timedelta | None = None,
+                 max_copy_bytes: int = COPY_BYTES) -> None:
         for name, client in (("near", near), ("far", far)):
             if not isinstance(client, BaseClient):
                 raise ConfigError(f"Tiered: {name} must be a client from asynccache.connect(url), "
@@ -161,11 +173,14 @@ class Tiered(BaseClient[_Copies]):
             raise ConfigError(f"Tiered: near and far are the same store ({near.safe_url}); "
                               "near is a store of this machine in front of a shared one: "
                               "give two different stores")
+        if isinstance(copy_ttl, datetime.timedelta):  # as every ttl (cache/expiry.py)
+            copy_ttl = copy_ttl.total_seconds()
         if copy_ttl is not None and (isinstance(copy_ttl, bool)
                                      or not isinstance(copy_ttl, int | float)
                                      or not math.isfinite(copy_ttl) or copy_ttl <= 0):
-            raise ConfigError(f"Tiered: copy_ttl must be a positive number of seconds or None "
-                              f"(copies never expire), got {copy_ttl!r}")
+            raise ConfigError(f"Tiered: copy_ttl must be a positive number of seconds, a "
+                              f"datetime.timedelta or None (copies expire with the "
+                              f"reading cache's ttl alone), got {copy_ttl!r}")
         if type(max_copy_bytes) is not int or max_copy_bytes < 0:
             raise ConfigError(f"Tiered: max_copy_bytes must be an int >= 0 (0: never copy far's "
                               f"hits into near), got {max_copy_bytes!r}")
@@ -252,7 +267,7 @@ class Tiered(BaseClient[_Copies]):
         try:
             result, copies = await self._read(keys, skip)
             if copies:
-                sent = self._copy(state, token, copies)
+                sent = self._copy(state, token, copies, self._copy_ttl())
             return result
         finally:
             if not sent:
@@ -280,7 +295,17 @@ class Tiered(BaseClient[_Copies]):
         return ReadResult(values, {**near.failures, **far.failures},
                           [*near.answered, *far.answered], near.skipped + far.skipped), copies
 
-    def _copy(self, state: _Copies, token: int, entries: dict[bytes, bytes]) -> bool:
+    def _copy_ttl(self) -> float | None:
+        """The expiry of copies made for the read under way: ``copy_ttl``, and no longer
+        than the reading cache's ttl (`READ_TTL`). Far may have held the value for a
+        while, so its own expiry is within that ttl from now: a copy kept longer (or for
+        ever) would serve a value far dropped, as would a copy made after near's own
+        expiry of the value (memcached rounds up to whole seconds, LMDB does not)."""
+        bounds = [t for t in (self.copy_ttl, READ_TTL.get()) if t is not None]
+        return min(bounds) if bounds else None
+
+    def _copy(self, state: _Copies, token: int, entries: dict[bytes, bytes],
+              ttl: float | None) -> bool:
         """Write far's hits into near behind the read ``token``: what fits in
         ``max_copy_bytes`` (less what is in flight), nothing while near is paused. True
         when a copy was started (it closes the read). Never raises."""
@@ -300,13 +325,13 @@ class Tiered(BaseClient[_Copies]):
             return False
         state.pending += size
         task = asyncio.get_running_loop().create_task(
-            self._copy_now(state, token, batch, size))
+            self._copy_now(state, token, batch, size, ttl))
         state.tasks.add(task)
         task.add_done_callback(state.tasks.discard)
         return True
 
     async def _copy_now(self, state: _Copies, token: int, batch: dict[bytes, bytes],
-                        size: int) -> None:
+                        size: int, ttl: float | None) -> None:
         """The copy, less the keys a write or delete overtook since the read started
         (checked here, with nothing awaited until near has the copy: a write sent after
         this check reaches near after the copy, and wins)."""
@@ -319,7 +344,7 @@ class Tiered(BaseClient[_Copies]):
         try:
             if not batch:
                 return
-            result = await self.near.write(batch, self.copy_ttl)
+            result = await self.near.write(batch, ttl)
         except Exception as exc:  # ConfigError, or a bug: a copy must never raise
             count("tier_copy_failed", len(batch))
             state.trouble()
