@@ -294,6 +294,19 @@ def test_stale_read_ahead_misses_are_not_served(pipe_url: str, namespace: str) -
         assert reader_source.calls == []
 
 
+def _spy_visible(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The ``visible`` of every `_compute` call of the pipes, in order."""
+    seen: list[str] = []
+    real_compute = datapipe.AsyncKVCacheMapDataPipe._compute
+
+    def spy(self: Any, indices: list[Any], rt: Any, visible: str = "queued") -> Any:
+        seen.append(visible)
+        return real_compute(self, indices, rt, visible=visible)
+
+    monkeypatch.setattr(datapipe.AsyncKVCacheMapDataPipe, "_compute", spy)
+    return seen
+
+
 def test_a_share_whose_last_batch_is_dropped_still_ends_with_visible_writes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -304,14 +317,7 @@ def test_a_share_whose_last_batch_is_dropped_still_ends_with_visible_writes(
     writes are in the store before it returns (visible="now")."""
     monkeypatch.setattr(orders, "worker_info",
                         lambda: types.SimpleNamespace(id=0, num_workers=2))
-    seen: list[str] = []
-    real_compute = datapipe.AsyncKVCacheMapDataPipe._compute
-
-    def spy(self: Any, indices: list[Any], rt: Any, visible: str = "queued") -> Any:
-        seen.append(visible)
-        return real_compute(self, indices, rt, visible=visible)
-
-    monkeypatch.setattr(datapipe.AsyncKVCacheMapDataPipe, "_compute", spy)
+    seen = _spy_visible(monkeypatch)
     with ac.AsyncKVCacheMapDataPipe(list(range(35)), ac.connect("memory://drop-last"),
                                     namespace="drop-last", order=list(range(35))) as dp:
         assert dp.__getitems__(list(range(0, 8))) == list(range(0, 8))
@@ -333,18 +339,6 @@ class _EpochBatches:
 
     def __iter__(self) -> Iterator[list[int]]:
         return iter(self.batches(self.epoch))
-
-
-def _spy_visible(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    seen: list[str] = []
-    real_compute = datapipe.AsyncKVCacheMapDataPipe._compute
-
-    def spy(self: Any, indices: list[Any], rt: Any, visible: str = "queued") -> Any:
-        seen.append(visible)
-        return real_compute(self, indices, rt, visible=visible)
-
-    monkeypatch.setattr(datapipe.AsyncKVCacheMapDataPipe, "_compute", spy)
-    return seen
 
 
 def test_the_last_batch_of_a_shorter_epoch_waits_for_its_writes(
