@@ -336,11 +336,12 @@ class AsyncKVCacheMapDataPipe(_Base):
             batches = batches[worker.id::worker.num_workers]
         return self._plan_from([i for batch in batches for i in batch])
 
-    def _follow_order(self, p: Prefetcher) -> None:
+    def _follow_order(self) -> tuple[list[Any], Callable[[Any], list[Any]]] | None:
+        """The order to follow, for a prefetcher asking (its plan and the next epochs')."""
         order = self.order
         rt = self._rt
         if order is None or rt is None:
-            return
+            return None
 
         draws = orders.EpochDraws(order)
 
@@ -354,7 +355,7 @@ class AsyncKVCacheMapDataPipe(_Base):
             rt.drawn = draws.next() if first is None else draws.find(starts_with(first))
             return self._process_plan(rt.drawn, rt)
 
-        p.follow(next_epoch(), next_epoch)
+        return next_epoch(), next_epoch
 
     # -- map-style protocol --------------------------------------------------------------------
     def __getitem__(self, index: Any) -> Any:

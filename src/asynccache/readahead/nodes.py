@@ -48,7 +48,7 @@ T = TypeVar("T")
 EPOCH_FLUSH_TIMEOUT = 10.0
 #: stats() names of the node's own counters
 COUNTERS = ("hits", "misses", "prefetch_hits", "stalls", "stall_us", "stall_timeouts",
-            "computed_ahead")
+            "computed_ahead", "interrupted_reads")
 
 
 class _Entry:
@@ -226,6 +226,8 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
         self._rt: NodeRuntime | None = None
         self._ahead: collections.deque[_Entry] = collections.deque()
         self._unsent: list[_Entry] = []
+        #: a next() is under way or was stopped between two steps (see `_repair`)
+        self._broken = False
         self._exhausted = False
         self._pulled = 0
         self._snapshot: dict[str, Any] | None = None
@@ -283,17 +285,41 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
     def next(self) -> T:
         rt = self._runtime()
         reader = rt.thread_reader()
+        if self._broken:
+            self._repair(reader)
+        self._broken = True
         self._fill(reader)
         if not self._ahead:
+            self._broken = False
             rt.flush(EPOCH_FLUSH_TIMEOUT)  # epoch 1's values are there for epoch 2
             raise StopIteration
-        entry = self._ahead.popleft()
+        entry = self._ahead.popleft()  # an exception from here on costs this item only
         value = self._value_of(entry, rt, reader)
+        self._broken = False
         if entry.state is not None:
             self._snapshot, self._since = entry.state, 0
         else:
             self._since += 1
         return value  # type: ignore[no-any-return]
+
+    def _repair(self, reader: Reader) -> None:
+        """The last next() was stopped by an exception between two steps (an interrupt):
+        what its reader had on the wire and what the entries recorded may disagree. The
+        reader starts afresh and every entry whose read had not completed is sent again;
+        completed reads keep their values. The item being pulled from the source at that
+        moment, or being returned, may be lost (never another item's value returned)."""
+        reader.reset()
+        resend = []
+        for entry in self._ahead:
+            ticket = entry.ticket
+            if ticket is None or not ticket.done:
+                if ticket is not None:
+                    ticket.abandoned = True
+                entry.ticket = None
+                resend.append(entry)
+        self._unsent = resend
+        self._counts["interrupted_reads"] += 1
+        self._broken = False
 
     # -- read-ahead ----------------------------------------------------------------------------
     def _fill(self, reader: Reader) -> None:

@@ -25,7 +25,7 @@ class NOTHING(Sentinel, metaclass=Sentinel):
 
 #: the counters a prefetcher reports in stats()
 COUNTERS = ("hits", "misses", "prefetch_hits", "stalls", "stall_us", "direct_reads",
-            "prefetch_wasted", "stall_timeouts")
+            "prefetch_wasted", "stall_timeouts", "interrupted_reads")
 
 def _drain(iterator: Any) -> None:
     collections.deque(iterator, maxlen=0)
@@ -71,7 +71,8 @@ class Prefetcher:
         #: set (by any thread) when the pipe's order changed: re-planned at the next read
         #: that is not a plain in-order hit, by ``follow_order(self)``
         self.stale_order = False
-        self.follow_order: Callable[[Prefetcher], None] | None = None
+        self.follow_order: Callable[[], tuple[Sequence[Any], Callable[[Any], list[Any]]]
+                                    | None] | None = None
         self.hits = self.misses = self.prefetch_hits = 0
         self.stalls = self.stall_us = self.direct_reads = self.wasted = self.stall_timeouts = 0
         #: in-order reads served from the buffer: the one counter the fast path touches
@@ -83,6 +84,11 @@ class Prefetcher:
         self.epoch_len = 0  # reads per epoch of the order followed; 0: no order
         self.epoch_start = 0
         self.epoch = 0  # turns of the clock so far (requests carry the one they were sent in)
+        #: A call into this prefetcher is under way, or one was stopped by an exception
+        #: between two of its steps (an interrupt, a signal handler's exception, a raise
+        #: mode error): the next call repairs the state first (`repair()`).
+        self.broken = False
+        self.interrupted = 0  # repairs made (the stats' ``interrupted_reads``)
 
     @staticmethod
     def zero_counts() -> dict[str, int]:
@@ -94,10 +100,43 @@ class Prefetcher:
         return {"hits": self.hits + fast - self.fast_specials, "misses": self.misses,
                 "prefetch_hits": self.prefetch_hits + fast, "stalls": self.stalls,
                 "stall_us": self.stall_us, "direct_reads": self.direct_reads,
-                "prefetch_wasted": self.wasted, "stall_timeouts": self.stall_timeouts}
+                "prefetch_wasted": self.wasted, "stall_timeouts": self.stall_timeouts,
+                "interrupted_reads": self.interrupted}
+
+    # -- interrupts -------------------------------------------------------------------------
+    def _guarded(self, step: Callable[..., Any], *args: Any) -> Any:
+        """Run one consumer call's ``step``: ``broken`` while it runs, so that an
+        exception at any bytecode inside it (a signal handler's, ``KeyboardInterrupt``)
+        leaves a state the next call recognises. The exception itself goes to the
+        caller unchanged."""
+        if self.broken:
+            self.repair()
+        self.broken = True
+        result = step(*args)
+        self.broken = False
+        return result
+
+    def repair(self) -> None:
+        """Start afresh after a call that did not finish: every read in flight is
+        forgotten (its replies are dropped with the consumer's connections, a loop-side
+        one is ignored when it completes), and the plan is requested again from where
+        the consumer is. Values already in the buffer are kept: each is whole. Idempotent,
+        so an interrupt inside it only means the next call repairs again."""
+        self.generation += 1  # a ticket sent before is never delivered
+        for ticket in self.inflight.values():
+            ticket.abandoned = True
+        self.inflight.clear()
+        self.reader.reset()
+        self.requested = min(self.requested, self.pos)
+        self.interrupted += 1
+        self.broken = False
 
     # -- plan -----------------------------------------------------------------------------
     def follow(self, plan: Sequence[Any], replan: Callable[[Any], list[Any]]) -> None:
+        """See `_follow`."""
+        self._guarded(self._follow, plan, replan)
+
+    def _follow(self, plan: Sequence[Any], replan: Callable[[Any], list[Any]]) -> None:
         """Follow an order: ``plan`` is this consumer's epoch of it, ``replan`` the next
         (see `replan`); a plan whose first read is not its first index is replaced
         by ``replan(that index)``.
@@ -112,7 +151,7 @@ class Prefetcher:
         """
         self.epoch_len = len(plan)
         self.epoch_start = self.fast_reads + self.slow_reads
-        self.set_plan(plan, replan, guessed=True)
+        self._set_plan(plan, replan, guessed=True)
 
     def _epoch_turned(self, reads: int) -> bool:
         """After ``reads`` reads: has an epoch of the followed order ended since the last
@@ -141,6 +180,11 @@ class Prefetcher:
 
     def set_plan(self, plan: Sequence[Any], replan: Callable[[Any], list[Any]] | None = None,
                  guessed: bool = False, tentative: bool = False) -> None:
+        """See `_set_plan` (a consumer call: guarded against interrupts)."""
+        self._guarded(self._set_plan, plan, replan, guessed, tentative)
+
+    def _set_plan(self, plan: Sequence[Any], replan: Callable[[Any], list[Any]] | None = None,
+                  guessed: bool = False, tentative: bool = False) -> None:
         """Follow ``plan`` from its start; when it is used up, follow ``replan``.
 
         A ``guessed`` plan is replaced by ``replan(index)`` when its first read is another
@@ -170,7 +214,7 @@ class Prefetcher:
         if first is not None and self.pos == 0 and plan == self.plan:
             self.guessed = False  # no better plan than the guess: keep what it read ahead
             return False
-        self.set_plan(plan, replan, tentative=first is None)
+        self._set_plan(plan, replan, tentative=first is None)
         return True
 
     def _top_up(self) -> None:
@@ -253,7 +297,7 @@ class Prefetcher:
     def _sequential_from(self, last: int) -> None:
         """Switch to sequential read-ahead after ``last`` (off-plan contiguous access)."""
         if self.length is not None and last + 1 < self.length:
-            self.set_plan(range(last + 1, self.length))
+            self._set_plan(range(last + 1, self.length))
 
     # -- deliveries -------------------------------------------------------------------------
     def _deliver(self, tickets: list[Ticket]) -> None:
@@ -400,13 +444,18 @@ class Prefetcher:
     def _refresh_order(self) -> None:
         if self.stale_order and self.follow_order is not None:
             self.stale_order = False
-            self.follow_order(self)
+            order = self.follow_order()
+            if order is not None:
+                self._follow(*order)
 
     # -- consumer API -----------------------------------------------------------------------
     def take(self, index: Any) -> Any:
-        """The value for ``index`` (MISSING on a store miss); read now if not planned."""
+        """The value for ``index`` (MISSING on a store miss); read now if not planned.
+
+        An exception at any moment inside (an interrupt) costs at most the value being
+        taken, never the next call's correctness (see `_guarded`)."""
         value = self.ready.pop(index, NOTHING)
-        if value is not NOTHING:
+        if value is not NOTHING and not self.broken:
             pos = self.pos
             if (pos < self.plan_len and self.plan[pos] == index  # the common case, inlined
                     and (pos or not self.tentative)):
@@ -414,10 +463,17 @@ class Prefetcher:
                 self.last_index = index
                 self.fast_reads += 1
                 if value is MISSING or type(value) is Failed:
-                    return self._special_in_order(index, value)
+                    return self._guarded(self._special_in_order, index, value)
                 if self.requested - pos - 1 <= self.window - self.batch:
+                    self.broken = True  # (the fast path's one guarded step)
                     self._top_up()
+                    self.broken = False
                 return value
+        return self._guarded(self._take_slow, index, value)
+
+    def _take_slow(self, index: Any, value: Any) -> Any:
+        """`take()` off its fast path: ``value`` is what the buffer held (or NOTHING)."""
+        if value is not NOTHING:
             self._refresh_order()
             self._count_slow(1)
             self._after(index, self._advance(index))
@@ -441,6 +497,9 @@ class Prefetcher:
 
     def take_many(self, indices: Sequence[Any]) -> list[Any]:
         """Values for a whole batch: ready ones, awaited ones, then one request for the rest."""
+        return self._guarded(self._take_many, indices)  # type: ignore[no-any-return]
+
+    def _take_many(self, indices: Sequence[Any]) -> list[Any]:
         self._refresh_order()
         self._count_slow(len(indices))  # the clock first: before a stale miss is taken
         self._deliver(self.reader.poll())  # whatever arrived since the last read

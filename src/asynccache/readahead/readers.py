@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
+from .._interrupts import raised_in_signal_handler
 from ..cache import chunks
 from ..cache.core import AsyncKVCache
 from ..errors import CacheError, LoopError, StoreError
@@ -32,8 +33,9 @@ AWAY = 0.05
 class Ticket:
     """One read of a batch of keys, from submission to its values."""
 
-    __slots__ = ("abandoned", "deadline", "direct", "done", "epoch", "error", "generation",
-                 "indices", "keys", "nbytes", "parent", "partial", "remaining", "values")
+    __slots__ = ("abandoned", "arrived", "deadline", "direct", "done", "epoch", "error",
+                 "generation", "indices", "keys", "nbytes", "parent", "partial", "remaining",
+                 "values")
 
     def __init__(self, indices: list[Any], keys: list[bytes], *, direct: bool = False,
                  generation: int = 0) -> None:
@@ -52,6 +54,8 @@ class Ticket:
         self.nbytes = 0               # bytes the store's replies carried (set when done)
         #: (the ticket this one reads the rest of, positions there): L1Reader
         self.parent: tuple[Ticket, list[int]] | None = None
+        #: held until the loop thread completed it (LoopReader; see LoopReader.wait)
+        self.arrived: Any = None
 
 
 class Reader(ABC):
@@ -81,6 +85,14 @@ class Reader(ABC):
     def close(self) -> None:
         """Drop what is in flight and release connections (the consumer thread's)."""
         return None
+
+    def reset(self) -> None:
+        """Forget every ticket in flight and start afresh: the consumer was stopped by an
+        exception (an interrupt) between two steps, so what is on the wire and what the
+        consumer recorded may disagree. Tickets sent before are never completed by this
+        reader after it (their owner abandons them); connections reopen on the next
+        request."""
+        self.close()
 
     async def cancel_pending(self) -> None:
         """Cancel loop-side work still running (called on the loop thread)."""
@@ -204,8 +216,15 @@ class SocketReader(Reader):
 
     def _wait_for(self, ticket: Ticket) -> bool:
         while not ticket.done:
-            ci = next(ci for ci, parts in enumerate(self.parts)
-                      if any(t is ticket for t, _, _ in parts))
+            ci = next((ci for ci, parts in enumerate(self.parts)
+                       if any(t is ticket for t, _, _ in parts)), None)
+            if ci is None:  # on no wire (a reset dropped it): no reply can complete it
+                ticket.partial = True
+                ticket.error = ticket.error or StoreError(
+                    "a read was dropped with its connection; it is read again")
+                ticket.remaining = 0
+                self._finish(ticket)
+                break
             try:
                 reply = self.conns[ci].receive()
             except StoreError as exc:
@@ -253,6 +272,8 @@ class SocketReader(Reader):
         try:
             conn.close()
         except Exception as failed:  # a provider's close() must not stop the reads
+            if raised_in_signal_handler(failed):
+                raise
             logger.debug("asynccache: closing the connection to %s failed: %r", conn.node,
                          failed)
         parts = self.parts[ci]
@@ -285,22 +306,31 @@ class SocketReader(Reader):
             conn.close()
         for parts in self.parts:
             parts.clear()
+        self.completed.clear()
 
 
 class LoopReader(Reader):
-    """Read-ahead through the asyncio core on the loop thread, handed back per batch."""
+    """Read-ahead through the asyncio core on the loop thread, handed back per batch.
+
+    The loop thread never waits for the consumer: it completes a ticket by releasing the
+    ticket's own lock, which the consumer acquires to wait (`wait()`). A lock shared both
+    ways (a Condition) is not safe here: an exception raised in the consumer while it
+    re-acquires the lock (a signal handler's, at any bytecode) leaves it released under
+    the loop thread's feet, and a later acquire blocks for ever.
+    """
 
     def __init__(self, cache: AsyncKVCache, loop: LoopThread, wait_timeout: float) -> None:
         self.cache = cache
         self.loop = loop
         self.wait_timeout = wait_timeout
         self.completed: collections.deque[Ticket] = collections.deque()
-        self.cond = threading.Condition(threading.Lock())
-        self.waiting = False
         self.tasks: set[asyncio.Task[None]] = set()  # loop thread only: strong refs
 
     def submit(self, ticket: Ticket) -> None:
         ticket.deadline = time.monotonic() + self.wait_timeout
+        arrived = threading.Lock()
+        arrived.acquire()
+        ticket.arrived = arrived
         self.loop.call_soon(self._start, ticket)
 
     def _start(self, ticket: Ticket) -> None:  # loop thread
@@ -325,9 +355,7 @@ class LoopReader(Reader):
             ticket.values = values
             ticket.done = True
             self.completed.append(ticket)
-            if self.waiting:
-                with self.cond:
-                    self.cond.notify_all()
+            ticket.arrived.release()  # after done: a waiter that acquires it sees done
 
     def poll(self) -> list[Ticket]:
         completed = self.completed
@@ -342,20 +370,15 @@ class LoopReader(Reader):
         if self.loop.in_loop_thread():
             raise LoopError("a pipe read was called from asynccache's own loop thread, which "
                             "would deadlock; inside async code use AsyncKVCache directly")
-        with self.cond:
-            self.waiting = True  # set before looking at ticket.done (see _read's order)
-            try:
-                while not ticket.done:
-                    remaining = ticket.deadline - time.monotonic()
-                    if remaining <= 0:
-                        return False
-                    self.cond.wait(remaining)
-            finally:
-                self.waiting = False
+        while not ticket.done:
+            remaining = ticket.deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            ticket.arrived.acquire(timeout=remaining)
         return True
 
     def close(self) -> None:
-        self.completed.clear()
+        self.completed.clear()  # late completions land here and are ignored (abandoned)
 
     async def cancel_pending(self) -> None:
         tasks = list(self.tasks)
@@ -441,6 +464,11 @@ class L1Reader(Reader):
 
     def close(self) -> None:
         self.inner.close()
+        self.rest.clear()
+        self.completed.clear()
+
+    def reset(self) -> None:
+        self.inner.reset()
         self.rest.clear()
         self.completed.clear()
 

@@ -273,21 +273,32 @@ class ProcessRuntime:
             return {}
         computed = {key: fn(item) for key, item in wanted.items()}
         self.cache.counters.add("computed", len(computed))
-        entries = self.cache.writer.encode_entries(computed)
+        writer = self.cache.writer
+        blobs = writer.encode_values(computed)
+        entries = writer.entries_for(blobs)
+        written = False
         try:
-            self.loop.call(self._write_then_release(entries, list(computed)),
-                           self.client.timeout * 3 + 1)
+            written = self.loop.call(self._write_then_release(entries, list(computed)),
+                                     self.client.timeout * 3 + 1)
         except concurrent.futures.TimeoutError:
             self.cache.count("writes_dropped", len(entries))
+        finally:
+            if not written:  # read your writes: what was returned is what is read again
+                self.cache.writes.keep(blobs)
+                writer.count_forgotten()
         return computed
 
-    async def _write_then_release(self, entries: dict[bytes, bytes], keys: list[bytes]) -> None:
-        """Write computed values now, then drop their leases (waiters see the value)."""
+    async def _write_then_release(self, entries: dict[bytes, bytes], keys: list[bytes]) -> bool:
+        """Write computed values now, then drop their leases (waiters see the value);
+        True when every value was written."""
+        written = False
         try:
-            await self.cache.write_entries(entries)
+            written = await self.cache.write_entries(entries)
         except StoreError:
             pass  # raise mode: counted by the policy; write-back never raises
-        await self.cache.leases.release(keys)
+        finally:  # cancelled too (an interrupted caller): never leave the lease held
+            await self.cache.leases.release(keys)
+        return written
 
     # -- writes ------------------------------------------------------------------------
     def queue_writes(self, blobs: Mapping[bytes, bytes]) -> None:

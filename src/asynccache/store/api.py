@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, NewType, TypeVar
 
 from .. import _fork
+from .._interrupts import raised_in_signal_handler
 from .._sentinel import Sentinel
 from ..errors import CacheError, ConfigError, StoreError, Unsupported
 from .credentials import Credential
@@ -174,6 +175,8 @@ class AnsweredAtSend(ConsumerConnection):
             raise
         except Exception as exc:  # a bug (here or in a subclass) must not stop training
             self.replies.clear()
+            if raised_in_signal_handler(exc):
+                raise  # the caller's interrupt, unchanged
             raise StoreError(f"{self.node}: reading raised {type(exc).__name__}: "
                              f"{exc}") from exc
         self.replies.append(values)

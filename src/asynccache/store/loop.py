@@ -94,13 +94,17 @@ class LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run ``coro`` on the loop and wait for its result (at most ``timeout`` s)."""
-        future = self.submit(coro)
+        """Run ``coro`` on the loop and wait for its result (at most ``timeout`` s).
+
+        Safe against an exception raised in the caller at any moment (a signal handler's,
+        ``KeyboardInterrupt``): the coroutine is cancelled and the loop thread never
+        waits on a lock the caller may have been holding (see `_Call`)."""
         try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
+            self.check_caller()
+        except LoopError:
+            coro.close()
             raise
+        return _Call(self.loop, coro).result(timeout)
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the loop thread soon (thread-safe, does not wait)."""
@@ -129,6 +133,62 @@ class LoopThread:
             logger.warning("asynccache: loop tasks did not finish within %.1fs", timeout)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout)
+
+
+class _Call:
+    """One coroutine run on the loop for a waiting thread.
+
+    ``concurrent.futures.Future`` would do, but its result() waits on a Condition that
+    the loop thread acquires to set the result: an exception raised in the waiting thread
+    while it re-acquires that lock (a signal handler's, at any bytecode) releases it under
+    the loop thread's feet. Here the loop thread only ever *releases* a plain lock the
+    waiter acquires, which never blocks the loop and leaves nothing half-held. A waiter
+    that leaves early (timeout, interrupt) cancels the coroutine.
+    """
+
+    __slots__ = ("cancelled", "coro", "done", "loop", "outcome", "task")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any]) -> None:
+        self.loop, self.coro = loop, coro
+        self.done = threading.Lock()
+        self.done.acquire()
+        self.task: asyncio.Task[Any] | None = None
+        self.outcome: asyncio.Task[Any] | None = None
+        self.cancelled = False
+        try:
+            loop.call_soon_threadsafe(self._start)
+        except BaseException:  # never scheduled (a closed loop, an interrupt)
+            coro.close()
+            raise
+
+    def _start(self) -> None:  # loop thread
+        if self.cancelled:
+            self.coro.close()
+            self.done.release()
+            return
+        self.task = self.loop.create_task(self.coro)
+        self.task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[Any]) -> None:  # loop thread
+        self.outcome = task
+        self.done.release()
+
+    def _cancel(self) -> None:  # loop thread
+        self.cancelled = True
+        if self.task is not None:
+            self.task.cancel()
+
+    def result(self, timeout: float | None) -> Any:
+        try:
+            if not self.done.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
+                raise concurrent.futures.TimeoutError()
+        except BaseException:
+            self.loop.call_soon_threadsafe(self._cancel)
+            raise
+        outcome = self.outcome
+        if outcome is None or outcome.cancelled():  # e.g. by the loop's shutdown
+            raise concurrent.futures.CancelledError()
+        return outcome.result()
 
 
 async def _cancel_all() -> None:

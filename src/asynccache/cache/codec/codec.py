@@ -18,6 +18,7 @@ from typing import Any
 
 from xxhash import xxh3_64, xxh3_64_intdigest
 
+from ..._interrupts import raised_in_signal_handler
 from ...errors import (
     ConfigError,
     DecodeError,
@@ -412,6 +413,8 @@ class Codec:
         except EncodeError:
             raise
         except Exception as exc:  # PicklingError, TypeError, AttributeError, BufferError, ...
+            if raised_in_signal_handler(exc):
+                raise
             raise encode_error(obj, exc) from exc
         return self._finish(key, F_OOB, *oob_parts(stream, raws))
 
@@ -464,6 +467,8 @@ class Codec:
                 try:
                     return pickle.loads(payload)
                 except Exception as exc:
+                    if raised_in_signal_handler(exc):
+                        raise
                     raise unpickle_error(exc) from exc
             # as _decode, without its general cases (with no signer _hot_signed is b"",
             # which no prefix equals)
@@ -477,6 +482,8 @@ class Codec:
                 try:
                     return pickle.loads(payload)
                 except Exception as exc:
+                    if raised_in_signal_handler(exc):
+                        raise
                     raise unpickle_error(exc) from exc
         return self._decode(data, key)
 
@@ -564,6 +571,8 @@ class Codec:
         except DecodeError:
             raise
         except Exception as exc:  # UnpicklingError, EOFError, ImportError, ...
+            if raised_in_signal_handler(exc):
+                raise  # an interrupt, not damage: the caller's, unchanged
             raise unpickle_error(exc) from exc
 
 

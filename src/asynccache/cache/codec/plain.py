@@ -20,6 +20,7 @@ from typing import Any
 
 import msgpack
 
+from asynccache._interrupts import raised_in_signal_handler
 from asynccache.errors import DecodeError, EncodeError
 
 __all__ = ["dumps", "loads"]
@@ -228,6 +229,8 @@ def dumps(obj: object) -> tuple[bytes, list[memoryview]]:
             "which allow_pickle=False cannot store"
         ) from exc
     except Exception as exc:  # UnicodeEncodeError (lone surrogates), OverflowError, ...
+        if raised_in_signal_handler(exc):
+            raise
         raise _encode_failed(obj, exc) from exc
     buffers = w.buffers
     if buffers:
@@ -356,6 +359,8 @@ def loads(stream: bytes | memoryview, buffers: Sequence[memoryview] = ()) -> obj
     except msgpack.StackError as exc:
         raise DecodeError(f"value is nested deeper than {MAX_DEPTH} containers") from exc
     except Exception as exc:  # FormatError, ExtraData, ValueError, TypeError (unhashable)
+        if raised_in_signal_handler(exc):
+            raise
         raise DecodeError(f"invalid pickle-free value: {type(exc).__name__}: {exc}") from exc
     if r.marks:
         raise DecodeError("invalid pickle-free value: a tuple marker outside a tuple")

@@ -46,7 +46,11 @@ class _Process:
     def __init__(self) -> None:
         self.envs: dict[str, Env] = {}
         self.writer: concurrent.futures.ThreadPoolExecutor | None = None
-        self.idle = threading.Condition(threading.Lock())
+        #: taken with ``with proc.lock`` (a C-level enter: an exception raised by a signal
+        #: handler cannot land between acquiring it and the block, as it can inside
+        #: ``Condition.__enter__``, which would leave it held for ever); ``idle`` waits on it
+        self.lock = threading.Lock()
+        self.idle = threading.Condition(self.lock)
         self.users = 0          # operations between begin and end of their transaction
         self.forking = False    # a fork is closing the environments: wait
 
@@ -69,7 +73,7 @@ def _before_fork() -> None:
     proc = _process
     if not proc.envs:
         return
-    with proc.idle:
+    with proc.lock:
         proc.forking = True
         deadline = time.monotonic() + FORK_WAIT
         while proc.users and (left := deadline - time.monotonic()) > 0:
@@ -83,7 +87,7 @@ def _before_fork() -> None:
 def _after_fork_in_parent() -> None:
     proc = _process
     if proc.forking:
-        with proc.idle:
+        with proc.lock:
             proc.forking = False
             proc.idle.notify_all()
 
@@ -105,7 +109,7 @@ def session(settings: Settings, where: str) -> Iterator[Env]:
     block become an `EnvironmentDamaged`, and the environment is not used again
     in this process."""
     proc = _process
-    with proc.idle:
+    with proc.lock:
         while proc.forking:
             proc.idle.wait()
         held = proc.envs.get(settings.path)
@@ -118,7 +122,7 @@ def session(settings: Settings, where: str) -> Iterator[Env]:
     except DAMAGE as exc:
         raise held.fail(f"LMDB found it inconsistent ({type(exc).__name__}: {exc})") from exc
     finally:
-        with proc.idle:
+        with proc.lock:
             proc.users -= 1
             if not proc.users and proc.forking:
                 proc.idle.notify_all()
@@ -170,7 +174,7 @@ def _open(settings: Settings, where: str) -> Env:
 def writer() -> concurrent.futures.ThreadPoolExecutor:
     proc = _process
     if proc.writer is None:
-        with proc.idle:
+        with proc.lock:
             if proc.writer is None:
                 proc.writer = concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix="asynccache-lmdb-writer")

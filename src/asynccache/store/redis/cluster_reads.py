@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import hiredis
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS
 
+from ..._interrupts import raised_in_signal_handler
 from ...errors import StoreError, StoreTimeout, StoreUnavailable
 from ..api import AnsweredAtSend, ConsumerConnection, NodeName
 from ..loop import LoopThread
@@ -138,6 +139,8 @@ class BlockingClusterConnection(BlockingRespConnection):
                     return False
                 got.append(reply)
         except Exception as exc:  # hiredis.ProtocolError
+            if raised_in_signal_handler(exc):
+                raise
             raise unexpected_reply(self.endpoint.where, exc, self.endpoint.address) from exc
         self._got = []
         if _ReplyError in map(type, got):

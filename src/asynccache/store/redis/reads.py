@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..._interrupts import raised_in_signal_handler
 from ...errors import StoreError, StoreUnavailable
 from ..api import NodeName
 from ..protocol.resp import RespParser, check_mget_reply, pack_mget, setup_refused, unexpected_reply
@@ -111,6 +112,8 @@ class BlockingRespConnection(BlockingConnection):
         try:
             return self.parser.gets()
         except Exception as exc:  # hiredis.ProtocolError
+            if raised_in_signal_handler(exc):
+                raise
             raise unexpected_reply(self.endpoint.where, exc, self.endpoint.address) from exc
 
     _parse = _parse_resp
