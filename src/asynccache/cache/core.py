@@ -122,7 +122,7 @@ class AsyncKVCache:
         #: the in-process tier in front of the store (``l1_bytes``), fed by every decode
         self.l1 = L1Cache(l1_bytes) if l1_bytes else None
         #: values written behind and not yet acknowledged (read-your-writes asks it)
-        self.writes = WriteQueue(max_pending_writes)
+        self.writes = WriteQueue(max_pending_writes, ttl=self.ttl)
         self.reads = ReadPath(self)
         self.writer = Writer(self)
         self.leases = Leases(self)

@@ -13,8 +13,12 @@ are in the store), so such a miss is read again rather than recomputed. Hits nev
 look here: only misses pay for the lock.
 
 Bounded: past ``max_pending`` values the oldest ones not yet taken are dropped
-(counted as ``writes_dropped``); a value whose write failed is forgotten (while the
-store is down nothing is kept: a later read computes it again).
+(counted as ``writes_dropped``). A value whose write was dropped or failed is not in the
+store, yet this process has returned it: it is kept (`WriteQueue.keep()`, up to
+``KEEP_DROPPED_BYTES`` of blobs, no longer than the cache's ttl), so that a read of it
+here returns that same value, not a new computation (which a source with randomness, an
+augmentation, would make different). Past the budget the oldest kept values are
+forgotten (counted as ``writes_forgotten``): a later read computes them again.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from . import chunks
 if TYPE_CHECKING:
     from .core import AsyncKVCache
 
-__all__ = ["RECENT_KEYS", "WRITE_REQUEST_BYTES", "Batch", "WriteQueue", "Writer"]
+__all__ = ["KEEP_DROPPED_BYTES", "RECENT_KEYS", "WRITE_REQUEST_BYTES", "Batch", "WriteQueue",
+           "Writer"]
 
 #: Bytes per write request: a request must fit in ``timeout`` (a 50 MB batch is not one
 #: 1-second request), and reads queue behind less.
@@ -44,6 +49,10 @@ WRITE_REQUEST_BYTES = 8 * 1024 * 1024
 #: node and thread), so a write acknowledged after it was read is among the last few
 #: thousand; this bound keeps that true for windows far larger than the default.
 RECENT_KEYS = 1 << 16
+
+#: Bytes of encoded values kept per cache for read-your-writes after their write was
+#: dropped or failed (a slow or dead store): what this process returned, it reads again.
+KEEP_DROPPED_BYTES = 64 * 1024 * 1024
 
 
 class Batch(NamedTuple):
@@ -57,7 +66,8 @@ class Batch(NamedTuple):
 class WriteQueue:
     """Queued entries (value keys, chunk keys) and the values not acknowledged yet."""
 
-    def __init__(self, max_pending: int, recent: int = RECENT_KEYS) -> None:
+    def __init__(self, max_pending: int, recent: int = RECENT_KEYS,
+                 keep_bytes: int = KEEP_DROPPED_BYTES, ttl: float | None = None) -> None:
         self._lock = threading.Lock()
         #: store key -> bytes to write, in queue order (chunks before their manifest)
         self._queued: dict[bytes, bytes] = {}
@@ -67,6 +77,15 @@ class WriteQueue:
         self._unacked: dict[bytes, bytes] = {}
         self._recent: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._recent_max = recent
+        #: value key -> (its blob, time.monotonic() when kept): values whose write was
+        #: dropped or failed, oldest first, at most ``keep_bytes`` of blobs
+        self._kept: collections.OrderedDict[bytes, tuple[bytes, float]] = (
+            collections.OrderedDict())
+        self._kept_bytes = 0
+        self._keep_max = keep_bytes
+        self._keep_ttl = ttl
+        #: kept values forgotten since the last `take_forgotten()` (past the budget)
+        self._forgotten = 0
         self._max_pending = max_pending
         #: a writer is (or has been asked to be) at work; put() wakes one otherwise
         self._active = False
@@ -85,6 +104,9 @@ class WriteQueue:
             queued.update(entries)
             self._values.update(values)
             self._unacked.update(values)
+            if self._kept:
+                for key in values:  # written again: the new value is the one to recall
+                    self._unkeep(key)
             dropped = 0
             overflow = len(queued) - self._max_pending
             if overflow > 0:
@@ -93,6 +115,7 @@ class WriteQueue:
                     blob = self._values.pop(key, None)
                     if blob is not None and self._unacked.get(key) is blob:
                         del self._unacked[key]
+                        self._keep(key, blob)  # never stored: recalled from here
                 dropped = overflow
             wake = not self._active
             self._active = True
@@ -112,30 +135,82 @@ class WriteQueue:
             values = {k: self._values.pop(k) for k in keys if k in self._values}
         return Batch(entries, values)
 
-    def done(self, batch: Batch) -> None:
-        """The store answered for ``batch`` (written or failed): its values are no
-        longer this queue's to hand out; their keys are remembered as acknowledged."""
+    def done(self, batch: Batch, written: bool = True) -> None:
+        """The store answered for ``batch``: its values are no longer this queue's to
+        hand out; their keys are remembered as acknowledged. Not ``written`` (some of
+        it failed): its values are kept (`keep()`), the store may not have them."""
         recent, unacked = self._recent, self._unacked
         with self._lock:
             for key, blob in batch.values.items():
                 if unacked.get(key) is blob:  # not queued again since
                     del unacked[key]
+                    if not written:
+                        self._keep(key, blob)
                 recent[key] = None
                 recent.move_to_end(key)
             while len(recent) > self._recent_max:
                 recent.popitem(last=False)
 
+    # -- values the store did not take ---------------------------------------------------
+    def keep(self, values: Mapping[bytes, bytes]) -> None:
+        """Keep values whose write was dropped or failed outside this queue (a write
+        made now that timed out): recalled as if queued."""
+        with self._lock:
+            for key, blob in values.items():
+                self._keep(key, blob)
+
+    def _keep(self, key: bytes, blob: bytes) -> None:  # locked
+        self._unkeep(key)
+        if len(blob) > self._keep_max:
+            self._forgotten += 1
+            return
+        self._kept[key] = (blob, time.monotonic())
+        self._kept_bytes += len(blob)
+        while self._kept_bytes > self._keep_max:
+            _key, (old, _at) = self._kept.popitem(last=False)
+            self._kept_bytes -= len(old)
+            self._forgotten += 1
+
+    def _unkeep(self, key: bytes) -> None:  # locked
+        held = self._kept.pop(key, None)
+        if held is not None:
+            self._kept_bytes -= len(held[0])
+
+    def _kept_blob(self, key: bytes) -> bytes | None:  # locked
+        held = self._kept.get(key)
+        if held is None:
+            return None
+        blob, at = held
+        if self._keep_ttl is not None and time.monotonic() - at > self._keep_ttl:
+            self._unkeep(key)  # it would have expired in the store by now
+            return None
+        return blob
+
+    def take_forgotten(self) -> int:
+        """Kept values dropped past the budget since the last call (for the counter)."""
+        with self._lock:
+            n, self._forgotten = self._forgotten, 0
+        return n
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of values kept because their write was dropped or failed."""
+        return self._kept_bytes
+
     # -- readers: any thread, on a miss -------------------------------------------------
     def recall(self, keys: Iterable[bytes]) -> tuple[dict[bytes, bytes], list[bytes]]:
         """For keys that missed: the blobs of those this process wrote and the store has
-        not acknowledged, and the keys acknowledged lately (read them again)."""
+        not acknowledged or never took (kept), and the keys acknowledged lately (read
+        them again)."""
         found: dict[bytes, bytes] = {}
         again: list[bytes] = []
         with self._lock:
-            if not self._unacked and not self._recent:
+            if not self._unacked and not self._recent and not self._kept:
                 return found, again
             for key in keys:
                 blob = self._unacked.get(key)
+                if blob is None and self._kept:
+                    blob = self._kept_blob(key)
                 if blob is not None:
                     found[key] = blob
                 elif key in self._recent:
@@ -260,7 +335,14 @@ class Writer:
         wake, dropped = cache.writes.put(blobs, self.entries_for(blobs))
         if dropped:
             cache.counters.shard()["writes_dropped"] += dropped
+            self.count_forgotten()
         return wake
+
+    def count_forgotten(self) -> None:
+        """Count kept values forgotten past the budget (``writes_forgotten``)."""
+        forgotten = self.cache.writes.take_forgotten()
+        if forgotten:
+            self.cache.counters.shard()["writes_forgotten"] += forgotten
 
     def write_behind(self, blobs: Mapping[bytes, bytes]) -> None:
         """`write_later()` from the cache's own loop. `flush()` waits until
@@ -279,12 +361,15 @@ class Writer:
         cache = self.cache
         writes, max_keys = cache.writes, cache.client.max_batch * 4
         while (batch := writes.take(max_keys)) is not None:
+            written = False
             try:
-                await self.write_entries(batch.entries, cache.ttl)
+                written = await self.write_entries(batch.entries, cache.ttl)
             except StoreError:
                 pass  # raise mode: counted by the policy; nobody waits on write-behind
             finally:
-                writes.done(batch)
+                writes.done(batch, written)
+                if not written:
+                    self.count_forgotten()
 
     async def flush(self) -> None:
         """Wait for queued write-behind entries to reach the store (or be dropped)."""

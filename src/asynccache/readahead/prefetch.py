@@ -497,7 +497,7 @@ class Prefetcher:
 
     def take_many(self, indices: Sequence[Any]) -> list[Any]:
         """Values for a whole batch: ready ones, awaited ones, then one request for the rest."""
-        return self._guarded(self._take_many, indices)  # type: ignore[no-any-return]
+        return self._guarded(self._take_many, indices)
 
     def _take_many(self, indices: Sequence[Any]) -> list[Any]:
         self._refresh_order()
