@@ -323,3 +323,29 @@ def test_a_timed_out_call_is_not_left_running(redis_server: Any, namespace: str)
             loop.call(slow(), 5)
     time.sleep(0.6)
     assert finished == []
+
+
+def test_an_interrupted_main_process_with_live_workers_goes_on(
+        redis_server: Any, namespace: str) -> None:
+    """The main process is interrupted while two DataLoader workers read the pipe: the
+    next pass (new workers, or the same pipe read in the main process) is right."""
+    torch_data = pytest.importorskip("torch.utils.data")
+    rng = random.Random(namespace)
+    with ac.AsyncKVCacheMapDataPipe(Source(), ac.connect(redis_server.url, timeout=2),
+                                    prefetch=64, namespace=namespace) as dp:
+        loader = torch_data.DataLoader(dp, batch_size=16, num_workers=2,
+                                       collate_fn=lambda batch: batch)
+        dp.set_order(loader.batch_sampler)
+        with raising_handler():
+            for _trial in range(4):
+                signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.05, 0.6))
+                with contextlib.suppress(Interrupted):
+                    for batch in loader:
+                        assert all(v == value_of(v[1]) for v in batch)
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.setitimer(signal.ITIMER_REAL, BOUND * 2)  # a whole epoch, bounded
+            seen = [v for batch in loader for v in batch]
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        assert sorted(v[1] for v in seen) == list(range(N))
+        assert all(v == value_of(v[1]) for v in seen)
+        check_bounded(dp.__getitem__, rng)
