@@ -79,7 +79,9 @@ def test_near_hits_never_ask_far_and_far_hits_are_copied_into_near(
     (first, got), counts = counted(body)
     assert first == [b"near-a", b"near-a"]
     assert got == [b"near-a", b"far-b", None]
-    assert far.calls["get_many"] == 1  # one far read, for near's misses only
+    # one far read for near's misses, one checking the copy made (another process may
+    # have written the key meanwhile: see Tiered._undo_overtaken)
+    assert far.calls["get_many"] == 2
     assert near.data[b"b"][0] == b"far-b" and b"c" not in near.data
     assert counts == {"tier_near_hits": 3, "tier_far_hits": 1, "tier_copies": 1}
 

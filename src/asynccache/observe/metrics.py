@@ -24,6 +24,10 @@ COUNTERS = (
     ("sets", "sets", "Values written to the store."),
     ("skipped", "skipped", "Keys not asked for because their node was backing off."),
     ("writes_dropped", "writes_dropped", "Values that could not be written."),
+    ("writes_forgotten", "writes_forgotten",
+     "Values not written whose copy kept for read-your-writes was dropped past its budget."),
+    ("interrupted_reads", "interrupted_reads",
+     "Reads stopped by an exception (an interrupt) and repaired at the next read."),
     ("computed", "computed", "Values computed from the source on a miss."),
     # a Tiered(near, far) client's (0 for other stores)
     ("tier_near_hits", "tier_near_hits", "Keys a tiered client's near store answered."),
@@ -33,6 +37,8 @@ COUNTERS = (
     ("tier_near_dropped", "tier_near_dropped",
      "Values not written to near (copy budget spent, or near refusing or failing lately)."),
     ("tier_copy_failed", "tier_copy_failed", "Copies into near that failed."),
+    ("tier_copies_undone", "tier_copies_undone",
+     "Copies into near deleted again: far held a newer value (another process wrote it)."),
 )
 
 

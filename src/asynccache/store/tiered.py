@@ -356,6 +356,33 @@ class Tiered(BaseClient[_Copies]):
         count("tier_copies", result.written)
         self._near_outcome(state, result, "copy")
         count("tier_copy_failed", result.failed_keys)
+        if result.written:
+            await self._undo_overtaken(batch)
+
+    async def _undo_overtaken(self, batch: dict[bytes, bytes]) -> None:
+        """Ask far again for what was just copied, and delete from near each copy far no
+        longer holds the same value for: another process on this machine (sharing near)
+        wrote or deleted the key while this read was under way, which `_Copies` cannot
+        see. Writers write far first, then near (`_write`), so either that write reached
+        near after this copy (and replaced it), or far answers this check with the new
+        value (and the copy is deleted): a copy never stays over a newer write. Costs one
+        far read of the copied keys (once per key per machine: a copy is made only when
+        near lacks the key). Never raises."""
+        keys = list(batch)
+        try:
+            now = await self.far.read(keys)
+            stale = [k for k, v in zip(keys, now.values) if v != batch[k]]
+            if stale:
+                count("tier_copies_undone", len(stale))
+                await self.near.delete_many(stale)
+        except Exception as exc:  # StoreError, or a bug: a copy must never raise
+            count("tier_copy_failed", len(keys))
+            state = self._state()
+            state.trouble()
+            self._warn("undo", f"checking copies into near ({self.near.safe_url}) against "
+                       f"far raised {type(exc).__name__}: {exc}")
+            with contextlib.suppress(Exception):
+                await self.near.delete_many(keys)  # unchecked copies: never trusted
 
     def _near_outcome(self, state: _Copies, result: WriteResult, what: str) -> None:
         """Refusals (near full) and failures of a write into near: counted, near paused."""
@@ -394,12 +421,15 @@ class Tiered(BaseClient[_Copies]):
                      skip: Collection[NodeName]) -> WriteResult:
         if state.paused():
             count("tier_near_dropped", len(entries))
-            far, forgot = await asyncio.gather(self.far.write(entries, ttl, skip),
-                                               self._forget_near(list(entries), skip))
+            far = await self.far.write(entries, ttl, skip)  # far first (see below)
+            forgot = await self._forget_near(list(entries), skip)
             far.failures = {**forgot, **far.failures}
             return far
-        far, near = await asyncio.gather(self.far.write(entries, ttl, skip),
-                                         self.near.write(entries, ttl, skip))
+        # far first, then near: a copy another process on this machine makes meanwhile
+        # either lands in near before this write (which replaces it) or is checked
+        # against far after this write reached it (see `_undo_overtaken`)
+        far = await self.far.write(entries, ttl, skip)
+        near = await self.near.write(entries, ttl, skip)
         self._near_outcome(state, near, "write")
         forgot = await self._forget_near(list(near.rejected), skip) if near.rejected else {}
         return WriteResult(written=far.written,
@@ -433,11 +463,16 @@ class Tiered(BaseClient[_Copies]):
 
     async def delete_many(self, keys: Sequence[bytes]) -> None:
         """From both tiers; raises the first failure (far's first) once both were tried."""
+        outcomes: list[BaseException | None] = []
         with self._state().writes(keys):
-            outcomes = await asyncio.gather(self.far.delete_many(keys),
-                                            self.near.delete_many(keys), return_exceptions=True)
+            for delete in (self.far.delete_many, self.near.delete_many):  # far first: _write
+                try:
+                    await delete(keys)
+                    outcomes.append(None)
+                except Exception as exc:
+                    outcomes.append(exc)
         for outcome in outcomes:
-            if isinstance(outcome, BaseException):
+            if outcome is not None:
                 raise outcome
 
     # -- administration -----------------------------------------------------------------------
