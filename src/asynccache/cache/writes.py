@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -198,24 +199,31 @@ class WriteQueue:
         return self._kept_bytes
 
     # -- readers: any thread, on a miss -------------------------------------------------
-    def recall(self, keys: Iterable[bytes]) -> tuple[dict[bytes, bytes], list[bytes]]:
+    def recall(self, keys: Iterable[bytes]
+               ) -> tuple[dict[bytes, bytes], list[bytes], dict[bytes, bytes]]:
         """For keys that missed: the blobs of those this process wrote and the store has
-        not acknowledged or never took (kept), and the keys acknowledged lately (read
-        them again)."""
+        not acknowledged, the keys acknowledged lately (read them again), and the blobs
+        of those the store never took (kept: the caller writes them again, the store
+        still lacks them)."""
         found: dict[bytes, bytes] = {}
         again: list[bytes] = []
+        kept: dict[bytes, bytes] = {}
         with self._lock:
             if not self._unacked and not self._recent and not self._kept:
-                return found, again
+                return found, again, kept
             for key in keys:
                 blob = self._unacked.get(key)
-                if blob is None and self._kept:
-                    blob = self._kept_blob(key)
                 if blob is not None:
                     found[key] = blob
-                elif key in self._recent:
+                    continue
+                if self._kept:
+                    blob = self._kept_blob(key)
+                    if blob is not None:
+                        kept[key] = blob
+                        continue
+                if key in self._recent:
                     again.append(key)
-        return found, again
+        return found, again, kept
 
     def forget(self) -> int:
         """Drop everything queued (the loop is gone); how many entries were dropped."""
@@ -384,23 +392,26 @@ class Writer:
             await asyncio.shield(here.writer)
             self.start()  # queued meanwhile by another thread
 
-    def recall(self, store_keys: Sequence[bytes]) -> tuple[dict[bytes, Any], list[bytes]]:
+    def recall(self, store_keys: Sequence[bytes]
+               ) -> tuple[dict[bytes, Any], list[bytes], dict[bytes, bytes]]:
         """For keys that missed: values this process wrote and the store has not
-        acknowledged (decoded afresh: an object of their own), and the keys acknowledged
-        lately, which the store now holds (read them again rather than compute them).
-        Any thread; only misses ask."""
+        acknowledged or never took (decoded afresh: an object of their own), the keys
+        acknowledged lately, which the store now holds (read them again rather than
+        compute them), and the blobs the store never took: the caller writes them again
+        (`write_later()`), so that a store back from an outage gets them. Any thread;
+        only misses ask."""
         cache = self.cache
-        blobs, again = cache.writes.recall(store_keys)
+        blobs, again, kept = cache.writes.recall(store_keys)
         found: dict[bytes, Any] = {}
         decode = cache.codec.decode
-        for key, blob in blobs.items():
+        for key, blob in itertools.chain(blobs.items(), kept.items()):
             try:
                 found[key] = decode(blob, key)
             except DecodeError:  # bytes this process encoded: cannot happen; be safe
                 again.append(key)
         if found:
             cache.counters.shard()["recalled"] += len(found)
-        return found, again
+        return found, again, kept
 
 
 def _requests(entries: Mapping[bytes, bytes], max_keys: int) -> Iterator[dict[bytes, bytes]]:

@@ -219,7 +219,9 @@ class ProcessRuntime:
         """Values of keys that missed but that this process wrote lately: from the write
         queue while the store has not acknowledged them (decoded afresh), else read again
         from the store (a read-ahead miss may predate the write). Only misses ask."""
-        found, again = self.cache.writer.recall(list(keys))
+        found, again, kept = self.cache.writer.recall(list(keys))
+        if kept:  # values the store never took (dropped, failed): it gets them again now
+            self.queue_writes(kept)
         if again:
             try:
                 # a second look: damaged bytes were counted by the read that missed
