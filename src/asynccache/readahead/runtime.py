@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import copy
 import os
+import secrets
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from .. import _fork
 from ..cache.codec import Codec
@@ -28,7 +30,9 @@ from ..store.api import BaseClient
 from ..store.loop import LoopThread, get_loop_thread
 from .readers import L1Reader, LoopReader, Reader, SocketReader
 
-__all__ = ["ProcessRuntime", "Reports"]
+__all__ = ["ProcessRuntime", "Reports", "deep_copy_as_new"]
+
+_Owner = TypeVar("_Owner")
 
 
 class Reports:
@@ -93,6 +97,30 @@ class Reports:
         if per_process:
             return {os.getpid(): local, **self.latency_others()}
         return merge([local, *self.latency_others().values()])
+
+
+def deep_copy_as_new(owner: _Owner, memo: dict[int, Any]) -> _Owner:
+    """``copy.deepcopy`` of a pipe or node: a new pipeline, not another view of this one.
+
+    Pickling (DataLoader workers, epochs) keeps the namespace and the stats board: the
+    copies are the same pipeline. A deep copy is what a user makes to build another one
+    (``val = deepcopy(train)``, then another transform): without ``namespace=`` it draws
+    a namespace of its own, so it never reads the original's values, and it always gets
+    a stats board of its own (its counters are not the original's). State is copied
+    through the owner's ``__getstate__``, as pickling does (no runtime, no sockets).
+    """
+    state: dict[str, Any] = owner.__getstate__()  # type: ignore[assignment]
+    state = {name: value for name, value in state.items() if name != "_reports"}
+    clone = object.__new__(type(owner))
+    memo[id(owner)] = clone
+    clone.__dict__.update(copy.deepcopy(state, memo))
+    keyspace: Keyspace = clone.keyspace  # type: ignore[attr-defined]
+    clone.keyspace = keyspace.renewed()  # type: ignore[attr-defined]
+    clone.namespace = clone.keyspace.namespace  # type: ignore[attr-defined]
+    reports = Reports(secrets.token_hex(8), clone.namespace)  # type: ignore[attr-defined]
+    clone._reports = reports  # type: ignore[attr-defined]
+    reports.bind(clone)
+    return clone
 
 
 def _report_weakly(ref: weakref.ref[ProcessRuntime]) -> None:
