@@ -299,7 +299,11 @@ class ProcessRuntime:
                       fn: Callable[[Any], Any]) -> dict[bytes, Any]:
         if not wanted:
             return {}
-        computed = {key: fn(item) for key, item in wanted.items()}
+        try:
+            computed = {key: fn(item) for key, item in wanted.items()}
+        except BaseException as exc:
+            self._release_failed(list(wanted), exc)
+            raise
         self.cache.counters.add("computed", len(computed))
         entries = self.cache.writer.encode_entries(computed)
         try:
@@ -308,6 +312,21 @@ class ProcessRuntime:
         except concurrent.futures.TimeoutError:
             self.cache.count("writes_dropped", len(entries))
         return computed
+
+    def _release_failed(self, keys: list[bytes], exc: BaseException) -> None:
+        """A compute raised while this process held the leases of ``keys``: drop them
+        now, or every retry (here, or in another process) waits the lease out. After an
+        ordinary exception the release is waited for (bounded by one request), so this
+        process's retry finds the leases free; after an interrupt (KeyboardInterrupt,
+        SystemExit) it is only scheduled, so the interrupt is not delayed."""
+        release = self.cache.leases.release(keys)
+        if not isinstance(exc, Exception):
+            self.loop.submit(release)
+            return
+        try:
+            self.loop.call(release, self.client.timeout + 1)
+        except concurrent.futures.TimeoutError:
+            pass  # the leases expire on their own; the compute's error matters more
 
     async def _write_then_release(self, entries: dict[bytes, bytes], keys: list[bytes]) -> None:
         """Write computed values now, then drop their leases (waiters see the value)."""
