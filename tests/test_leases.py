@@ -284,3 +284,84 @@ async def test_a_memcached_lease_lasts_at_least_lease_seconds(
     for cache in (holder, other):
         await cache.client.close()
     assert min(held) >= 0.95 and max(held) <= 3.2, held
+
+
+# -- a compute that raises gives its lease up at once (issue 30) ---------------------------
+#: long enough that waiting it out is unmistakable; the retries must be done well before
+FAILING_LEASE = 30.0
+RETRY_BOUND = 10.0
+
+
+class Boom(Exception):
+    """What a failing compute raises."""
+
+
+class FailsOnce:
+    """A source whose item 3 raises the first time it is computed (any other: its index)."""
+
+    def __init__(self) -> None:
+        self.failed = False
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> int:
+        if index == 3 and not self.failed:
+            self.failed = True
+            raise Boom("compute failed")
+        return index * 10
+
+
+@pytest.mark.anyio
+async def test_a_failing_get_or_compute_releases_its_lease(
+        redis_server: Any, namespace: str) -> None:
+    """On ca9d281 the lease stayed: the retry here and another cache (another process's
+    token) each waited the whole lease before computing."""
+    cache = ac.AsyncKVCache(ac.connect(redis_server.url), namespace=namespace,
+                            lease=FAILING_LEASE)
+    other = ac.AsyncKVCache(ac.connect(redis_server.url), namespace=namespace,
+                            lease=FAILING_LEASE)
+
+    def boom() -> str:
+        raise Boom("compute failed")
+
+    with pytest.raises(Boom):
+        await cache.get_or_compute("k", boom)
+    start = time.monotonic()
+    assert await other.get_or_compute("k", lambda: "theirs") == "theirs"
+    assert time.monotonic() - start < RETRY_BOUND
+    with pytest.raises(Boom):
+        await cache.get_or_compute("k2", boom)
+    start = time.monotonic()
+    assert await cache.get_or_compute("k2", lambda: "again") == "again"
+    assert time.monotonic() - start < RETRY_BOUND
+    for c in (cache, other):
+        await c.client.close()
+
+
+@pytest.mark.parametrize("path", ["getitem", "getitems"])
+def test_a_failing_compute_in_the_pipe_releases_its_lease(
+        redis_server: Any, namespace: str, path: str) -> None:
+    """The pipe's lease path (runtime ``_compute_mine``): after item 3's compute raised,
+    reading it again in this pipe, and in another pipe (another token, as another
+    process has), computes it at once instead of waiting the lease out."""
+    url = redis_server.url
+    with ac.AsyncKVCacheMapDataPipe(FailsOnce(), ac.connect(url), prefetch=0,
+                                    namespace=namespace, lease=FAILING_LEASE) as dp:
+        read = dp.__getitem__ if path == "getitem" else (lambda i: dp.__getitems__([i])[0])
+        with pytest.raises(Boom):
+            read(3)
+        start = time.monotonic()
+        assert read(3) == 30
+        assert time.monotonic() - start < RETRY_BOUND
+    with (ac.AsyncKVCacheMapDataPipe(FailsOnce(), ac.connect(url), prefetch=0,
+                                     namespace=namespace + "-b", lease=FAILING_LEASE) as dp,
+          pytest.raises(Boom)):
+        dp[3]
+    source = FailsOnce()
+    source.failed = True  # the other process's compute works
+    with ac.AsyncKVCacheMapDataPipe(source, ac.connect(url), prefetch=0,
+                                    namespace=namespace + "-b", lease=FAILING_LEASE) as dp:
+        start = time.monotonic()
+        assert dp[3] == 30
+        assert time.monotonic() - start < RETRY_BOUND

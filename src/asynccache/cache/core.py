@@ -274,10 +274,23 @@ class AsyncKVCache:
                 found, _now_mine = await self.leases.wait_for_values(theirs)
             if store_key in found:
                 return found[store_key]
-        result = compute()
-        if inspect.isawaitable(result):
-            result = await result
-        await self.set(key, result, ttl)
+        try:
+            result = compute()
+            if inspect.isawaitable(result):
+                result = await result
+            await self.set(key, result, ttl)
+        except Exception:
+            # a compute that raised (or a write that raised, under on_error="raise"):
+            # drop the lease now, or the retry here or elsewhere waits the lease out
+            if self.lease is not None:
+                await self.leases.release([store_key])
+            raise
+        except BaseException:
+            # cancelled (or an interrupt): not awaited here, so the cancellation is not
+            # delayed by a round trip; the release runs as a task of its own
+            if self.lease is not None:
+                self._loop().spawn(self.leases.release([store_key]))
+            raise
         if self.lease is not None:
             await self.leases.release([store_key])
         return result

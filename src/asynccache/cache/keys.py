@@ -176,6 +176,17 @@ class Keyspace:
             return ANON_TTL
         return ttl
 
+    def renewed(self) -> Keyspace:
+        """The keyspace of a new pipeline made by copying this one's owner: the same
+        namespace if the user named it, otherwise a new unique one (a deep copy is a new
+        pipeline, e.g. ``val = deepcopy(train)`` with another transform, and must never
+        read the original's values; pickled copies, DataLoader workers, share them)."""
+        if self.named:
+            return self
+        fresh = Keyspace.__new__(Keyspace)
+        fresh.__setstate__((unique_namespace(), False, self.max_key_size))
+        return fresh
+
     def __getstate__(self) -> tuple[str, bool, int]:
         return self.namespace, self.named, self.max_key_size
 

@@ -25,7 +25,7 @@ from ..observe.stats import CORE_COUNTERS
 from ..store.api import BaseClient
 from . import order as orders
 from .prefetch import Prefetcher
-from .runtime import ProcessRuntime, Reports
+from .runtime import ProcessRuntime, Reports, deep_copy_as_new
 from .window import DEFAULT_PREFETCH_BYTES
 
 if TYPE_CHECKING:  # the checker sees torch's generic base; torch is optional at run time
@@ -250,6 +250,11 @@ class AsyncKVCacheMapDataPipe(_Base):
                 rt = self._rt = PipeRuntime(self)
                 rt.loop.add_shutdown_hook(self)
         return rt
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """A deep copy is a new pipe: its own namespace when unnamed, its own stats
+        (see `deep_copy_as_new`); pickled copies still share both."""
+        return deep_copy_as_new(self, memo)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -28,7 +28,7 @@ from ..errors import ClosedError, ConfigError, MissingDependency
 from ..observe.stats import CORE_COUNTERS
 from ..store.api import BaseClient
 from .readers import Reader, Ticket
-from .runtime import ProcessRuntime, Reports
+from .runtime import ProcessRuntime, Reports, deep_copy_as_new
 from .window import DEFAULT_PREFETCH_BYTES, WINDOW_GROWTH, WindowSizer
 
 try:
@@ -250,6 +250,11 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
                 park_inherited(rt)
             rt = self._rt = NodeRuntime(self)
         return rt
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """A deep copy is a new node: its own namespace when unnamed, its own stats
+        (see `deep_copy_as_new`); pickled copies still share both."""
+        return deep_copy_as_new(self, memo)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import copy
 import os
+import secrets
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from .. import _fork
 from ..cache.codec import Codec
@@ -28,7 +30,9 @@ from ..store.api import BaseClient
 from ..store.loop import LoopThread, get_loop_thread
 from .readers import L1Reader, LoopReader, Reader, SocketReader
 
-__all__ = ["ProcessRuntime", "Reports"]
+__all__ = ["ProcessRuntime", "Reports", "deep_copy_as_new"]
+
+_Owner = TypeVar("_Owner")
 
 
 class Reports:
@@ -93,6 +97,30 @@ class Reports:
         if per_process:
             return {os.getpid(): local, **self.latency_others()}
         return merge([local, *self.latency_others().values()])
+
+
+def deep_copy_as_new(owner: _Owner, memo: dict[int, Any]) -> _Owner:
+    """``copy.deepcopy`` of a pipe or node: a new pipeline, not another view of this one.
+
+    Pickling (DataLoader workers, epochs) keeps the namespace and the stats board: the
+    copies are the same pipeline. A deep copy is what a user makes to build another one
+    (``val = deepcopy(train)``, then another transform): without ``namespace=`` it draws
+    a namespace of its own, so it never reads the original's values, and it always gets
+    a stats board of its own (its counters are not the original's). State is copied
+    through the owner's ``__getstate__``, as pickling does (no runtime, no sockets).
+    """
+    state: dict[str, Any] = owner.__getstate__()  # type: ignore[assignment]
+    state = {name: value for name, value in state.items() if name != "_reports"}
+    clone = object.__new__(type(owner))
+    memo[id(owner)] = clone
+    clone.__dict__.update(copy.deepcopy(state, memo))
+    keyspace: Keyspace = clone.keyspace  # type: ignore[attr-defined]
+    clone.keyspace = keyspace.renewed()  # type: ignore[attr-defined]
+    clone.namespace = clone.keyspace.namespace  # type: ignore[attr-defined]
+    reports = Reports(secrets.token_hex(8), clone.namespace)  # type: ignore[attr-defined]
+    clone._reports = reports  # type: ignore[attr-defined]
+    reports.bind(clone)
+    return clone
 
 
 def _report_weakly(ref: weakref.ref[ProcessRuntime]) -> None:
@@ -273,7 +301,11 @@ class ProcessRuntime:
                       fn: Callable[[Any], Any]) -> dict[bytes, Any]:
         if not wanted:
             return {}
-        computed = {key: fn(item) for key, item in wanted.items()}
+        try:
+            computed = {key: fn(item) for key, item in wanted.items()}
+        except BaseException as exc:
+            self._release_failed(list(wanted), exc)
+            raise
         self.cache.counters.add("computed", len(computed))
         writer = self.cache.writer
         blobs = writer.encode_values(computed)
@@ -289,6 +321,21 @@ class ProcessRuntime:
                 self.cache.writes.keep(blobs)
                 writer.count_forgotten()
         return computed
+
+    def _release_failed(self, keys: list[bytes], exc: BaseException) -> None:
+        """A compute raised while this process held the leases of ``keys``: drop them
+        now, or every retry (here, or in another process) waits the lease out. After an
+        ordinary exception the release is waited for (bounded by one request), so this
+        process's retry finds the leases free; after an interrupt (KeyboardInterrupt,
+        SystemExit) it is only scheduled, so the interrupt is not delayed."""
+        release = self.cache.leases.release(keys)
+        if not isinstance(exc, Exception):
+            self.loop.submit(release)
+            return
+        try:
+            self.loop.call(release, self.client.timeout + 1)
+        except concurrent.futures.TimeoutError:
+            pass  # the leases expire on their own; the compute's error matters more
 
     async def _write_then_release(self, entries: dict[bytes, bytes], keys: list[bytes]) -> bool:
         """Write computed values now, then drop their leases (waiters see the value);
