@@ -7,6 +7,7 @@ import dataclasses
 import datetime
 import decimal
 import enum
+import functools
 import math
 import uuid
 from typing import Any, NamedTuple
@@ -17,6 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import asynccache as ac
+from asynccache.cache.decorator import CallKey, function_identity
 from asynccache.cache.keys import CALL_KEY_RAW_MAX, Keyspace, call_store_key, encode_arg
 
 
@@ -133,3 +135,84 @@ def test_a_long_call_is_hashed_never_refused() -> None:
     assert call_store_key(space, encode_arg("x" * 5001)) != long
     tight = Keyspace("svc-v1", max_key_size=60)
     assert len(call_store_key(tight, encode_arg("y" * 100))) <= 60
+
+
+def _identity(fn: Any, noself: bool = False) -> bytes:
+    return function_identity(fn, noself)
+
+
+def test_functions_that_share_a_qualified_name_never_share_an_identity() -> None:
+    def power(n: int) -> Any:
+        def f(x: int) -> int:
+            return int(x**n)
+        return f
+
+    square, cube = power(2), power(3)
+    assert square.__qualname__ == cube.__qualname__
+    assert _identity(square) != _identity(cube)
+    assert _identity(power(2)) == _identity(square)  # the same in every process
+    lambdas = [lambda x: x * x, lambda x: x**3]  # one line, two bodies
+    assert _identity(lambdas[0]) != _identity(lambdas[1])
+
+
+def test_partials_and_callable_instances_have_identities() -> None:
+    def scale(x: int, by: int) -> int:
+        return x * by
+
+    assert _identity(functools.partial(scale, by=2)) != _identity(functools.partial(scale, by=3))
+
+    class Model:
+        def __init__(self, version: str) -> None:
+            self.version = version
+
+        def __call__(self, x: int) -> int:
+            return x
+
+        def __cache_key__(self) -> str:
+            return self.version
+
+    assert _identity(Model("a")) != _identity(Model("b"))
+
+    class Anonymous:
+        def __call__(self, x: int) -> int:
+            return x
+
+    with pytest.raises(ac.MethodKeyError, match=r"__cache_key__.*noself=True"):
+        _identity(Anonymous())
+    assert _identity(Anonymous(), noself=True) == _identity(Anonymous(), noself=True)
+
+
+def test_methods_join_their_instance_or_say_how() -> None:
+    cache = ac.AsyncKVCache(ac.connect("memory://call-keys"), namespace="svc-v1")
+
+    class Repo:
+        def __init__(self, tenant: str) -> None:
+            self.tenant = tenant
+
+        def __cache_key__(self) -> str:
+            return self.tenant
+
+        def name(self, i: int) -> str:
+            return f"{self.tenant}-{i}"
+
+    class Plain:
+        def name(self, i: int) -> str:
+            return str(i)
+
+        @classmethod
+        def make(cls, i: int) -> str:
+            return str(i)
+
+    class Sub(Plain):
+        pass
+
+    key = CallKey(cache, Repo.name, None, noself=False)
+    assert key((Repo("a"), 1), {}) != key((Repo("b"), 1), {})
+    assert key((Repo("a"), 1), {}) == key((Repo("a"),), {"i": 1})
+    with pytest.raises(ac.MethodKeyError, match=r"__cache_key__.*noself=True"):
+        CallKey(cache, Plain.name, None, noself=False)((Plain(), 1), {})
+    shared = CallKey(cache, Plain.name, None, noself=True)
+    assert shared((Plain(), 1), {}) == shared((Plain(), 1), {})
+    assert shared((Plain(), 1), {}) != shared((Sub(), 1), {})  # a subclass may override
+    make = CallKey(cache, Plain.make.__func__, None, noself=False)  # type: ignore[attr-defined]
+    assert make((Plain, 1), {}) != make((Sub, 1), {})

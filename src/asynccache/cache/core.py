@@ -345,25 +345,52 @@ class AsyncKVCache:
                 here.finished.pop(store_key, None)
 
     def cached(self, fn: Callable[..., Any] | None = None, *, ttl: Any = MISSING,
-               key: Callable[..., Any] | None = None) -> Any:
+               key: Callable[..., Any] | None = None, noself: bool = False,
+               condition: Condition | None = None) -> Any:
         """Decorator: cache what an async function returns, ``@cache.cached(ttl=60)``
-        (or bare ``@cache.cached``).
+        (or bare ``@cache.cached``); the reference is docs/async-services.md.
 
         Concurrent calls with the same arguments compute once and each caller gets an
-        object of its own. A plain function works too (the wrapper is async).
+        object of its own. A plain function works too (the wrapper is async). The wrapper
+        has ``key(*args, **kwargs)`` (a call's store key) and ``await invalidate(*args,
+        **kwargs)`` (that call's entry deleted).
 
         Args:
             fn: the function (given when used bare, ``@cache.cached``).
             ttl: as for `set_many()`.
-            key: ``key(*args, **kwargs)`` returns a call's key; default: the function's
-                module and qualified name and its arguments (defaults applied) under the
-                documented key encoding (a first ``self`` or ``cls`` left out).
+            key: ``key(*args, **kwargs)`` returns a call's key (under the cache's key
+                encoding, as for `get()`); default: the function's identity and its
+                arguments (defaults applied) under the call-key encoding of
+                docs/formats.md, exact over types.
+            noself: a method's instances share entries (its class still joins the key);
+                without it a method's instance must have ``__cache_key__()``.
+            condition: ``condition(result) -> bool``: whether a result is stored (it is
+                returned either way).
         """
         from .decorator import cached
 
         if fn is None:
-            return lambda f: cached(self, f, ttl, key)
-        return cached(self, fn, ttl, key)
+            return lambda f: cached(self, f, ttl, key, noself, condition)
+        return cached(self, fn, ttl, key, noself, condition)
+
+    def cached_many(self, fn: Callable[..., Any] | None = None, *, ttl: Any = MISSING,
+                    key: Callable[..., Any] | None = None, noself: bool = False) -> Any:
+        """Decorator for a batch function ``async def f(ids, *rest) -> {id: value}``: the
+        hits come from one multi-get, ``f`` is called once with only the missing ids (in
+        their order), its results are written in one batch; concurrent calls compute each
+        id once; ids ``f`` leaves out are not stored (and absent from the result).
+
+        Args:
+            fn: the function (given when used bare).
+            ttl: as for `set_many()`.
+            key: ``key(id, *rest, **kwargs)`` returns one id's key (as for `cached()`).
+            noself: as for `cached()`.
+        """
+        from .decorator import cached_many
+
+        if fn is None:
+            return lambda f: cached_many(self, f, ttl, key, noself)
+        return cached_many(self, fn, ttl, key, noself)
 
     # -- stats ------------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
