@@ -7,18 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 import asynccache as ac
-from asynccache.testing import servers
 
 pytestmark = pytest.mark.anyio
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(params=["redis_server", "memcached_server", "redis_cluster"])
@@ -91,42 +86,6 @@ async def test_arguments_the_key_encoding_does_not_cover_say_so(namespace: str) 
             cache.cached(ttl=0)(scale)
         with pytest.raises(ac.ConfigError, match="key="):
             cache.cached(key="name")(scale)  # type: ignore[arg-type]
-
-
-def _example() -> Any:
-    spec = importlib.util.spec_from_file_location("service_example",
-                                                  ROOT / "docs" / "examples" / "service.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-async def test_the_example_service_of_the_docs(redis_server: servers.RedisServer,
-                                               namespace: str, anyio_backend: Any) -> None:
-    from aiohttp import ClientSession, web
-
-    service = _example()
-    app = service.make_app(redis_server.url, f"{namespace}-{anyio_backend[1]['use_uvloop']}")
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = servers.free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        async with ClientSession() as http:
-            async def get(path: str) -> Any:
-                async with http.get(f"http://127.0.0.1:{port}{path}") as response:
-                    assert response.status == 200
-                    return await response.json()
-
-            burst = await asyncio.gather(*[get("/users/9?lang=fr") for _ in range(30)])
-            assert burst[0] == {"id": 9, "lang": "fr", "name": "user 9"}
-            assert all(b == burst[0] for b in burst) and app[service.COMPUTED] == [9]
-            assert (await get("/users/9?lang=fr")) == burst[0]
-            assert app[service.COMPUTED] == [9]
-    finally:
-        await runner.cleanup()
 
 
 @pytest.fixture(params=["redis_server", "memcached_server"])
