@@ -11,6 +11,7 @@ CacheError
 │   ├── InvalidURL         connect() could not parse the URL
 │   ├── KeyTooLong         namespace + key longer than the store accepts
 │   ├── KeyEncodingError   a key of a type the documented key encoding does not cover
+│   │   └── MethodKeyError a cached method's instance gives no key (__cache_key__ / noself)
 │   ├── MissingDependency  an optional package (torch, zstandard, ...) is needed
 │   └── Unsupported        the store cannot do what was asked (e.g. list its keys)
 ├── EncodeError            the value cannot be serialised (unpicklable, too large)
@@ -40,6 +41,7 @@ __all__ = [
     "KeyEncodingError",
     "KeyTooLong",
     "LoopError",
+    "MethodKeyError",
     "MissingDependency",
     "SignatureError",
     "StoreError",
@@ -69,6 +71,11 @@ class KeyTooLong(ConfigError):
 
 class KeyEncodingError(ConfigError, TypeError):
     """A key (or dataset index) of a type the documented key encoding does not cover."""
+
+
+class MethodKeyError(KeyEncodingError):
+    """A cached method was called on an instance that cannot join the key: the class has
+    no ``__cache_key__()`` and the decorator was not given ``noself=True``."""
 
 
 class MissingDependency(ConfigError, ImportError):

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import CacheError
 from ..observe.stats import Counters
 from .markers import MISSING, Failed
 
-__all__ = ["Coalescer", "Shared"]
+__all__ = ["Coalescer", "Computed", "Shared"]
 
 #: ``read(store_keys)``: a value (or ``MISSING`` / `Failed`) per key
 Read = Callable[[Sequence[bytes]], Awaitable[list[Any]]]
@@ -84,19 +84,49 @@ class Coalescer:
                         fut.set_exception(exc)
 
 
+class Computed(NamedTuple):
+    """What one computation hands its callers: the value, and the bytes every caller but
+    the first decodes its own object from -- encoded when the computation ended, before any
+    caller resumed, so no caller's change in place can reach another's copy. ``blob`` is
+    None for values nobody can change (ints, str, ...); ``error`` says why a value could
+    not be encoded (a second caller then gets that error, never the shared object)."""
+
+    value: Any
+    blob: bytes | None
+    error: CacheError | None = None
+
+
+#: ``decode(blob, store_key)``: a fresh object from a `Computed`'s bytes (``Codec.decode``)
+Decode = Callable[[bytes, bytes], Any]
+
+
 class Shared:
-    """One computation that several callers await; the first to take its result gets
-    the object, the others copies of it."""
+    """One computation that several callers await: the first caller to take its result
+    gets the object, every other one an object decoded from the bytes made when it ended.
 
-    __slots__ = ("taken", "task")
+    ``task`` returns a `Computed`, or (a batch, ``cached_many``) a dict of them by store
+    key; ``store_key`` then picks this caller's entry (``MISSING`` when the batch left it
+    out)."""
 
-    def __init__(self, task: asyncio.Task[Any]) -> None:
+    __slots__ = ("batch", "store_key", "taken", "task")
+
+    def __init__(self, task: asyncio.Task[Any], store_key: bytes, *, batch: bool = False
+                 ) -> None:
         self.task = task
+        self.store_key = store_key
+        self.batch = batch
         self.taken = False
 
-    async def result(self, store_key: bytes, copy_of: CopyOf) -> Any:
-        value = await asyncio.shield(self.task)
-        if self.taken:  # another caller has this object: this one gets its own
-            return copy_of(store_key, value)
-        self.taken = True
-        return value
+    async def result(self, decode: Decode) -> Any:
+        outcome = await asyncio.shield(self.task)
+        if self.batch:
+            outcome = outcome.get(self.store_key)
+            if outcome is None:
+                return MISSING
+        value, blob, error = outcome
+        if not self.taken:
+            self.taken = True
+            return value
+        if error is not None:
+            raise error
+        return value if blob is None else decode(blob, self.store_key)

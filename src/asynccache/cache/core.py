@@ -10,15 +10,17 @@ loop.
 from __future__ import annotations
 
 import asyncio
+import collections
+import functools
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from ..errors import ClosedError, ConfigError, StoreError
+from ..errors import CacheError, ClosedError, ConfigError, StoreError
 from ..observe.histogram import Histograms, Latency
 from ..observe.stats import Counters
 from ..store.api import BaseClient, NodeName
-from .coalesce import Coalescer, Shared
+from .coalesce import Coalescer, Computed, Shared
 from .codec import DEFAULT_CODEC, Codec
 from .expiry import check_ttl
 from .health import FailurePolicy, OnError
@@ -26,12 +28,17 @@ from .keys import DEFAULT_MAX_KEY_SIZE, Keyspace
 from .l1 import L1Cache
 from .leases import Leases
 from .markers import MISSING, Failed
-from .reads import ReadPath
+from .reads import IMMUTABLE, ReadPath
 from .writes import WriteQueue, Writer
 
 __all__ = ["AsyncKVCache", "Key", "OnError", "check_settings"]
 
 Key = Any  # int-like, str, bytes or tuples of them: see asynccache.cache.keys
+#: ``condition(result) -> bool``: whether a computed result is stored
+Condition = Callable[[Any], bool]
+#: Finished computations kept for reads in flight (see `_PerLoop.finished`): past this many
+#: distinct keys finishing during one read, the oldest may be computed again.
+FINISHED_MAX = 4096
 
 
 def check_settings(client: Any, on_error: Any, lease: Any, l1_bytes: Any) -> None:
@@ -227,13 +234,7 @@ class AsyncKVCache:
         """Remove ``keys`` from the store; missing keys are ignored."""
         if self._closed:
             self._refuse()
-        store_keys = [self.key(k) for k in keys]
-        try:
-            await self.client.delete_many(store_keys)
-        except StoreError as exc:
-            self.policy.failed(NodeName(self.client.safe_url), "delete", exc)
-            if self.policy.strict:
-                raise
+        await self.invalidate_store_keys([self.key(k) for k in keys])
 
     async def delete(self, key: Key) -> None:
         """Remove one key from the store."""
@@ -252,33 +253,59 @@ class AsyncKVCache:
             compute: called with no arguments on a miss; sync or async.
             ttl: as for `set_many()`.
         """
-        ttl = self._ttl(ttl)
-        value = await self.get(key, MISSING)
-        if value is not MISSING:
-            return value
+        return await self.compute_once(self.key(key), compute, self._ttl(ttl))
+
+    async def compute_once(self, store_key: bytes, compute: Callable[[], Any],
+                           ttl: float | None, condition: Condition | None = None) -> Any:
+        """`get_or_compute()` by store key (``ttl`` already resolved): what the decorator
+        calls. ``condition(result)`` false: the result is returned, not stored.
+
+        A computation in flight is joined without a read. A read that misses while a
+        computation of the key finished meanwhile (its request left before that
+        computation's write was acknowledged, so the store could not have had it) takes that
+        computation's value instead of computing again: `_PerLoop.finished` keeps it
+        reachable for exactly such reads."""
         here = self._loop()
-        store_key = self.key(key)
         shared = here.computing.get(store_key)
         if shared is None:
-            task: asyncio.Task[Any] = here.loop.create_task(
-                self._compute_and_store(key, store_key, compute, ttl))
-            shared = here.computing[store_key] = Shared(task)
-            task.add_done_callback(lambda _t: here.computing.pop(store_key, None))
-        return await shared.result(store_key, self.reads.copy_of)
+            mark = here.finishes
+            here.readers += 1
+            try:
+                value = await here.gets.get(store_key)
+                if value is not MISSING:
+                    return value
+                shared = here.computing.get(store_key) or here.finished_since(store_key, mark)
+            finally:
+                here.readers -= 1
+                if not here.readers:
+                    here.finished.clear()  # no read is left that could have missed a write
+            if shared is None:
+                task: asyncio.Task[Computed] = here.loop.create_task(
+                    self._compute_and_store(store_key, compute, ttl, condition))
+                shared = here.computing[store_key] = Shared(task, store_key)
+                task.add_done_callback(functools.partial(here.done, store_key, shared))
+        return await shared.result(self.codec.decode)
 
-    async def _compute_and_store(self, key: Key, store_key: bytes,
-                                 compute: Callable[[], Any], ttl: Any) -> Any:
+    async def _compute_and_store(self, store_key: bytes, compute: Callable[[], Any],
+                                 ttl: float | None, condition: Condition | None
+                                 ) -> Computed:
         if self.lease is not None:
             found, _mine, theirs = await self.leases.claim([store_key])
             if not found and theirs:
                 found, _now_mine = await self.leases.wait_for_values(theirs)
             if store_key in found:
-                return found[store_key]
+                return self.snapshot(store_key, found[store_key])
         try:
             result = compute()
             if inspect.isawaitable(result):
                 result = await result
-            await self.set(key, result, ttl)
+            if condition is not None and not condition(result):
+                computed = self.snapshot(store_key, result)
+            else:
+                blobs = self.writer.encode_values({store_key: result})
+                await self.write_entries(self.writer.entries_for(blobs), ttl)
+                computed = Computed(result,
+                                    None if type(result) in IMMUTABLE else blobs[store_key])
         except Exception:
             # a compute that raised (or a write that raised, under on_error="raise"):
             # drop the lease now, or the retry here or elsewhere waits the lease out
@@ -293,28 +320,90 @@ class AsyncKVCache:
             raise
         if self.lease is not None:
             await self.leases.release([store_key])
-        return result
+        return computed
+
+    def snapshot(self, store_key: bytes, value: Any) -> Computed:
+        """``value`` with the bytes its other callers decode their own objects from, made
+        now, before any caller can change it in place."""
+        if type(value) in IMMUTABLE:
+            return Computed(value, None)
+        try:
+            return Computed(value, self.codec.encode(value, store_key))
+        except CacheError as exc:
+            return Computed(value, None, exc)
+
+    async def invalidate_store_keys(self, store_keys: Sequence[bytes]) -> None:
+        """Delete ``store_keys`` everywhere this cache keeps them: the store (both tiers of
+        a `Tiered` client), the L1 tier, this process's read-your-writes record and the
+        values of computations just finished (so no read can get them back)."""
+        if self._closed:
+            self._refuse()
+        self.forget(store_keys)
+        try:
+            await self.client.delete_many(list(store_keys))
+        except StoreError as exc:
+            self.policy.failed(NodeName(self.client.safe_url), "delete", exc)
+            if self.policy.strict:
+                raise
+
+    def forget(self, store_keys: Iterable[bytes]) -> None:
+        """Drop what this process holds for ``store_keys`` besides the store."""
+        store_keys = list(store_keys)
+        if self.l1 is not None:
+            self.l1.discard(store_keys)
+        self.writes.discard(store_keys)
+        here = self._loop_state
+        if here is not None:
+            for store_key in store_keys:
+                here.finished.pop(store_key, None)
 
     def cached(self, fn: Callable[..., Any] | None = None, *, ttl: Any = MISSING,
-               key: Callable[..., Any] | None = None) -> Any:
+               key: Callable[..., Any] | None = None, noself: bool = False,
+               condition: Condition | None = None) -> Any:
         """Decorator: cache what an async function returns, ``@cache.cached(ttl=60)``
-        (or bare ``@cache.cached``).
+        (or bare ``@cache.cached``); the reference is docs/async-services.md.
 
         Concurrent calls with the same arguments compute once and each caller gets an
-        object of its own. A plain function works too (the wrapper is async).
+        object of its own. A plain function works too (the wrapper is async). The wrapper
+        has ``key(*args, **kwargs)`` (a call's store key) and ``await invalidate(*args,
+        **kwargs)`` (that call's entry deleted).
 
         Args:
             fn: the function (given when used bare, ``@cache.cached``).
             ttl: as for `set_many()`.
-            key: ``key(*args, **kwargs)`` returns a call's key; default: the function's
-                module and qualified name and its arguments (defaults applied) under the
-                documented key encoding (a first ``self`` or ``cls`` left out).
+            key: ``key(*args, **kwargs)`` returns a call's key (under the cache's key
+                encoding, as for `get()`); default: the function's identity and its
+                arguments (defaults applied) under the call-key encoding of
+                docs/formats.md, exact over types.
+            noself: a method's instances share entries (its class still joins the key);
+                without it a method's instance must have ``__cache_key__()``.
+            condition: ``condition(result) -> bool``: whether a result is stored (it is
+                returned either way).
         """
         from .decorator import cached
 
         if fn is None:
-            return lambda f: cached(self, f, ttl, key)
-        return cached(self, fn, ttl, key)
+            return lambda f: cached(self, f, ttl, key, noself, condition)
+        return cached(self, fn, ttl, key, noself, condition)
+
+    def cached_many(self, fn: Callable[..., Any] | None = None, *, ttl: Any = MISSING,
+                    key: Callable[..., Any] | None = None, noself: bool = False) -> Any:
+        """Decorator for a batch function ``async def f(ids, *rest) -> {id: value}``: the
+        hits come from one multi-get, ``f`` is called once with only the missing ids (in
+        their order), its results are written in one batch; concurrent calls compute each
+        id once; ids ``f`` leaves out are not stored (and absent from the result).
+
+        Args:
+            fn: the function (given when used bare).
+            ttl: as for `set_many()`.
+            key: ``key(id, *rest, **kwargs)`` returns one id's key (as for `cached()`).
+            noself: as for `cached()`.
+        """
+        from .decorator import cached_many
+
+        if fn is None:
+            return lambda f: cached_many(self, f, ttl, key, noself)
+        return cached_many(self, fn, ttl, key, noself)
 
     # -- stats ------------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
@@ -347,8 +436,33 @@ class _PerLoop:
         self.tasks: set[asyncio.Task[Any]] = set()
         self.writer: asyncio.Task[None] | None = None
         self.computing: dict[bytes, Shared] = {}
+        #: computations finished while a read of `AsyncKVCache.compute_once()` was in
+        #: flight, by key: (their number in ``finishes``, the computation); cleared when no
+        #: such read is left, and bounded by FINISHED_MAX
+        self.finished: collections.OrderedDict[bytes, tuple[int, Shared]] = (
+            collections.OrderedDict())
+        self.finishes = 0
+        self.readers = 0
         self.gets = Coalescer(loop, cache._read, cache.reads.copy_of, cache.counters,
                               self.spawn)
+
+    def done(self, store_key: bytes, shared: Shared, task: asyncio.Task[Any]) -> None:
+        """A computation ended: no longer joined, but kept for the reads that were in
+        flight meanwhile (see `AsyncKVCache.compute_once()`)."""
+        if self.computing.get(store_key) is shared:
+            del self.computing[store_key]
+        self.finishes += 1
+        if self.readers and not task.cancelled() and task.exception() is None:
+            finished = self.finished
+            finished[store_key] = (self.finishes, shared)
+            finished.move_to_end(store_key)
+            if len(finished) > FINISHED_MAX:
+                finished.popitem(last=False)
+
+    def finished_since(self, store_key: bytes, mark: int) -> Shared | None:
+        """The computation of ``store_key`` that finished after ``mark``, if one did."""
+        entry = self.finished.get(store_key)
+        return entry[1] if entry is not None and entry[0] > mark else None
 
     def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
         task: asyncio.Task[Any] = self.loop.create_task(coro)  # type: ignore[arg-type]

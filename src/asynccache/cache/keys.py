@@ -6,14 +6,25 @@ for None, ``t:`` + length-prefixed elements for a tuple; anything else is a
 ``KeyEncodingError``. A chunk (``c:``) and a lease (``l:``) sit under the same prefix with
 tags no encoded key starts with. Without ``namespace=`` an object gets an ``anon-`` one
 of its own. The full rule and why it is injective: docs/design.md, "Keys".
+
+The decorator's call keys have an encoding of their own (`encode_arg()`, under the ``f1:``
+tag): exact over types and wider, while index keys stay byte for byte what they were
+(docs/formats.md, "Call keys").
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import decimal
+import enum
+import hashlib
 import logging
 import operator
 import secrets
 import threading
+import uuid
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import ConfigError, KeyEncodingError, KeyTooLong
@@ -21,13 +32,17 @@ from ..errors import ConfigError, KeyEncodingError, KeyTooLong
 __all__ = [
     "ANON_PREFIX",
     "ANON_TTL",
+    "CALL_TAG",
     "MAX_NAMESPACE_BYTES",
     "Keyspace",
+    "call_store_key",
     "check_namespace",
     "chunk_keys",
+    "encode_arg",
     "encode_key",
     "lease_key",
     "namespace_prefix",
+    "type_name",
 ]
 
 MAX_NAMESPACE_BYTES = 200
@@ -196,3 +211,141 @@ class Keyspace:
 
     def __repr__(self) -> str:
         return f"Keyspace({self.namespace!r}, named={self.named})"
+
+
+# -- call keys: the decorator's own encoding of a call's arguments --------------------------
+#
+# Separate from encode_key() on purpose: pipe and node index keys stay byte-identical (no cache
+# goes cold on upgrade), while a call's arguments get an encoding exact over types (True, 1,
+# 1.0, "1", b"1", (1,), [1] are seven keys) that also covers floats, containers, dates and
+# dataclasses. The format, and why it is injective: docs/formats.md, "Call keys".
+
+#: What a call key's encoded part starts with: the version of the call-key format. No
+#: `encode_key()` output, chunk or lease key starts with it, so the two schemes never meet.
+CALL_TAG = b"f1:"
+#: Store keys of calls longer than this are hashed (and always those over max_key_size):
+#: memcached keys stay readable and under its 250 bytes, and a long argument is never refused.
+CALL_KEY_RAW_MAX = 250
+#: Bytes of the BLAKE2b digest of a hashed call key (160 bits: a collision is not a risk).
+CALL_DIGEST_BYTES = 20
+
+
+def type_name(cls: type) -> str:
+    """``module.qualname`` of a class: how a type joins a key."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _str(text: str) -> bytes:
+    data = text.encode("utf-8", "surrogatepass")
+    return b"s%d:%b" % (len(data), data)
+
+
+def _decimal(value: decimal.Decimal) -> bytes:
+    """An exact canonical text of a Decimal: equal values (``1.0`` and ``1.00``) alike,
+    with no rounding (``normalize()`` would round to the context's precision)."""
+    if not value.is_finite():
+        return b"nan" if value.is_nan() else (b"-inf" if value.is_signed() else b"inf")
+    sign, digits, shift = value.as_tuple()
+    exponent = int(shift)  # an int for every finite Decimal
+    numerals = "".join(map(str, digits)).lstrip("0")
+    if not numerals:
+        return b"-0" if sign else b"0"
+    stripped = numerals.rstrip("0")
+    exponent += len(numerals) - len(stripped)
+    return b"%s%sE%d" % (b"-" if sign else b"", stripped.encode(), exponent)
+
+
+def encode_arg(value: Any, what: str = "argument") -> bytes:
+    """One argument of a call, type-tagged and self-delimiting (docs/formats.md, "Call
+    keys"). ``what`` names the argument in the error for a type it does not cover."""
+    kind = type(value)
+    if kind is int:
+        return b"i%d;" % value
+    if kind is str:
+        return _str(value)
+    if value is None:
+        return b"N"
+    if kind is bool:
+        return b"T" if value else b"F"
+    if kind is float:
+        return b"f%s;" % (b"nan" if value != value else repr(value).encode())
+    if kind is tuple:
+        return b"t%d:%b" % (len(value), b"".join(encode_arg(v, what) for v in value))
+    if kind is list:
+        return b"l%d:%b" % (len(value), b"".join(encode_arg(v, what) for v in value))
+    if kind is bytes or kind is bytearray or kind is memoryview:
+        data = bytes(value)
+        return b"b%d:%b" % (len(data), data)
+    if kind is dict:
+        pairs = sorted(encode_arg(k, what) + encode_arg(v, what) for k, v in value.items())
+        return b"d%d:%b" % (len(pairs), b"".join(pairs))
+    if kind is set or kind is frozenset:
+        elements = sorted(encode_arg(v, what) for v in value)
+        return b"e%d:%b" % (len(elements), b"".join(elements))
+    return _encode_other(value, kind, what)
+
+
+def _encode_other(value: Any, kind: type, what: str) -> bytes:
+    """The tagged kinds past the builtin ones: each carries its type's name."""
+    named = _str(type_name(kind))
+    keyed = getattr(kind, "__cache_key__", None)
+    if keyed is not None and not isinstance(value, type):
+        return b"K" + named + encode_arg(value.__cache_key__(), what)
+    if isinstance(value, enum.Enum):
+        return b"E" + named + _str(value.name)
+    if isinstance(value, type):
+        return b"c" + _str(type_name(value))
+    if isinstance(value, datetime.datetime):
+        return b"D" + _str(value.isoformat())
+    if isinstance(value, datetime.date):
+        return b"a" + _str(value.isoformat())
+    if isinstance(value, datetime.time):
+        return b"h" + _str(value.isoformat())
+    if isinstance(value, datetime.timedelta):
+        return b"g%d,%d,%d;" % (value.days, value.seconds, value.microseconds)
+    if isinstance(value, uuid.UUID):
+        return b"u" + value.hex.encode()
+    if isinstance(value, decimal.Decimal):
+        return b"m" + named + _decimal(value) + b";"
+    if isinstance(value, complex):
+        return b"j" + named + repr(value).encode() + b";"
+    if dataclasses.is_dataclass(value):
+        fields = [f for f in dataclasses.fields(value) if f.compare]
+        body = b"".join(_str(f.name) + encode_arg(getattr(value, f.name), what) for f in fields)
+        return b"C" + named + b"%d:%b" % (len(fields), body)
+    if isinstance(value, tuple) and hasattr(kind, "_fields"):  # a NamedTuple
+        return b"U" + named + encode_arg(tuple(value), what)
+    bases: tuple[Callable[[Any], Any], ...] = (int, float, str, bytes, tuple, list, dict, set,
+                                               frozenset)
+    for base in bases:
+        if isinstance(value, base):  # type: ignore[arg-type]  # a subclass of a builtin: its type, then the value
+            return b"X" + named + encode_arg(base(value), what)
+    try:
+        number = operator.index(value)  # numpy / torch integers: never the int's key
+    except TypeError:
+        pass
+    else:
+        return b"x" + named + b"%d;" % number
+    raise KeyEncodingError(
+        f"cannot build a cache key from {what} {value!r:.60} (a {type_name(kind)}): call keys "
+        "cover None, bool, int, float, complex, str, bytes, tuple, list, dict, set, "
+        "frozenset, enums, datetime/date/time/timedelta, UUID, Decimal, dataclasses and "
+        "NamedTuples of those, and objects with a __cache_key__() method; give the decorator "
+        "key=callable (it gets the call's arguments and returns a key), or give the class a "
+        "__cache_key__() returning one of those")
+
+
+def call_store_key(keyspace: Keyspace, body: bytes) -> bytes:
+    """The store key of an encoded call: raw when short, else a digest of it (never
+    refused for its length)."""
+    store_key = keyspace.prefix + CALL_TAG + body
+    if len(store_key) <= min(CALL_KEY_RAW_MAX, keyspace.max_key_size):
+        return store_key
+    digest = hashlib.blake2b(body, digest_size=CALL_DIGEST_BYTES).hexdigest().encode()
+    store_key = keyspace.prefix + CALL_TAG + b"#" + digest
+    if len(store_key) > keyspace.max_key_size:
+        raise KeyTooLong(
+            f"the namespace {keyspace.namespace!r} leaves no room for a call key under "
+            f"max_key_size={keyspace.max_key_size} (a hashed call key is {len(store_key)} "
+            "bytes): use a shorter namespace or raise max_key_size")
+    return store_key

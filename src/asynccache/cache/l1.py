@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Iterable
 
 __all__ = ["L1Cache"]
 
@@ -48,6 +49,14 @@ class L1Cache:
             while self.size > self.max_bytes:
                 evicted_key, evicted = self._data.popitem(last=False)
                 self.size -= len(evicted) + len(evicted_key) + _ENTRY_OVERHEAD
+
+    def discard(self, keys: Iterable[bytes]) -> None:
+        """Drop ``keys`` (an invalidation: the next read goes to the store)."""
+        with self._lock:
+            for key in keys:
+                old = self._data.pop(key, None)
+                if old is not None:
+                    self.size -= len(old) + len(key) + _ENTRY_OVERHEAD
 
     def __len__(self) -> int:
         return len(self._data)

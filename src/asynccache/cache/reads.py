@@ -22,10 +22,10 @@ from .markers import MISSING, NOT_READ, Failed
 if TYPE_CHECKING:
     from .core import AsyncKVCache
 
-__all__ = ["ReadPath"]
+__all__ = ["IMMUTABLE", "ReadPath"]
 
 #: Values no reader can change in place: handed to every reader as they are.
-_IMMUTABLE = frozenset({bool, int, float, complex, str, bytes, type(None)})
+IMMUTABLE = frozenset({bool, int, float, complex, str, bytes, type(None)})
 
 
 class ReadPath:
@@ -185,7 +185,7 @@ class ReadPath:
     def copy_of(self, store_key: bytes, value: Any) -> Any:
         """An object of its own with ``value``'s content, as a second reader of the same
         key gets it: encoded and decoded again (only where a key repeats)."""
-        if value is None or type(value) in _IMMUTABLE:
+        if value is None or type(value) in IMMUTABLE:
             return value
         codec = self.cache.codec
         return codec.decode(codec.encode(value, store_key), store_key)

@@ -225,6 +225,18 @@ class WriteQueue:
                     again.append(key)
         return found, again, kept
 
+    def discard(self, keys: Iterable[bytes]) -> None:
+        """Forget ``keys`` (an invalidation): their queued writes are not made, and no miss
+        recalls them or reads them again for this process's sake."""
+        with self._lock:
+            if not (self._queued or self._unacked or self._recent):
+                return
+            for key in keys:
+                self._queued.pop(key, None)
+                self._values.pop(key, None)
+                self._unacked.pop(key, None)
+                self._recent.pop(key, None)
+
     def forget(self) -> int:
         """Drop everything queued (the loop is gone); how many entries were dropped."""
         with self._lock:
