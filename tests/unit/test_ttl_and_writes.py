@@ -32,12 +32,12 @@ def test_queued_values_are_recalled_until_acknowledged_then_read_again() -> None
     wake, dropped = q.put({b"k1": b"v1"}, {b"k1": b"v1"})
     assert (wake, dropped) == (True, 0)
     assert q.put({b"k2": b"v2"}, {b"k2": b"v2"}) == (False, 0)  # a writer is at work
-    assert q.recall([b"k1", b"k2", b"k3"]) == ({b"k1": b"v1", b"k2": b"v2"}, [])
+    assert q.recall([b"k1", b"k2", b"k3"]) == ({b"k1": b"v1", b"k2": b"v2"}, [], {})
     batch = q.take(1)
     assert batch is not None and batch.entries == {b"k1": b"v1"}
-    assert q.recall([b"k1"]) == ({b"k1": b"v1"}, [])  # in flight: still ours to hand out
+    assert q.recall([b"k1"]) == ({b"k1": b"v1"}, [], {})  # in flight: still ours to hand out
     q.done(batch)
-    assert q.recall([b"k1"]) == ({}, [b"k1"])  # acknowledged: the store has it
+    assert q.recall([b"k1"]) == ({}, [b"k1"], {})  # acknowledged: the store has it
     rest = q.take(10)
     assert rest is not None and list(rest.entries) == [b"k2"]
     q.done(rest)
@@ -52,7 +52,7 @@ def test_chunks_are_written_before_the_manifest_that_completes_the_value() -> No
     first = q.take(2)
     assert first is not None and list(first.entries) == [b"c0", b"c1"] and not first.values
     q.done(first)
-    assert q.recall([b"k"]) == ({b"k": b"whole"}, [])  # its manifest is not written yet
+    assert q.recall([b"k"]) == ({b"k": b"whole"}, [], {})  # its manifest is not written yet
     last = q.take(2)
     assert last is not None and last.values == {b"k": b"whole"}
 
@@ -64,7 +64,7 @@ def test_a_value_queued_again_while_in_flight_stays_recallable() -> None:
     assert batch is not None
     q.put({b"k": b"new"}, {b"k": b"new"})
     q.done(batch)  # the old write landed; the new one is queued
-    assert q.recall([b"k"]) == ({b"k": b"new"}, [])
+    assert q.recall([b"k"]) == ({b"k": b"new"}, [], {})
 
 
 def test_overflow_drops_the_oldest_and_forgets_their_values() -> None:
@@ -82,7 +82,7 @@ def test_recently_acknowledged_keys_are_bounded() -> None:
     batch = q.take(10)
     assert batch is not None
     q.done(batch)
-    assert q.recall([b"k0", b"k1", b"k2", b"k3"]) == ({}, [b"k2", b"k3"])
+    assert q.recall([b"k0", b"k1", b"k2", b"k3"]) == ({}, [b"k2", b"k3"], {})
 
 
 def test_threads_queue_while_a_writer_drains() -> None:
