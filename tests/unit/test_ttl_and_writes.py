@@ -37,7 +37,16 @@ def test_queued_values_are_recalled_until_acknowledged_then_read_again() -> None
     assert batch is not None and batch.entries == {b"k1": b"v1"}
     assert q.recall([b"k1"]) == ({b"k1": b"v1"}, [], {})  # in flight: still ours to hand out
     q.done(batch)
-    assert q.recall([b"k1"]) == ({}, [b"k1"], {})  # acknowledged: the store has it
+    # acknowledged: the store has it, and its bytes are kept a while (within the budget),
+    # so a miss read before the write landed needs no second store read
+    assert q.recall([b"k1"]) == ({b"k1": b"v1"}, [], {})
+    past_budget = WriteQueue(max_pending=100, keep_bytes=0)
+    past_budget.put({b"k1": b"v1"}, {b"k1": b"v1"})
+    acked = past_budget.take(1)
+    assert acked is not None
+    past_budget.done(acked)
+    assert past_budget.recall([b"k1"]) == ({}, [b"k1"], {})  # read again from the store
+    assert past_budget.take_forgotten() == 0  # a written value forgotten costs nothing
     rest = q.take(10)
     assert rest is not None and list(rest.entries) == [b"k2"]
     q.done(rest)
@@ -76,7 +85,7 @@ def test_overflow_drops_the_oldest_and_forgets_their_values() -> None:
 
 
 def test_recently_acknowledged_keys_are_bounded() -> None:
-    q = WriteQueue(max_pending=100, recent=2)
+    q = WriteQueue(max_pending=100, recent=2, keep_bytes=0)
     for i in range(4):
         q.put({b"k%d" % i: b"v"}, {b"k%d" % i: b"v"})
     batch = q.take(10)

@@ -18,7 +18,10 @@ store, yet this process has returned it: it is kept (`WriteQueue.keep()`, up to
 ``KEEP_DROPPED_BYTES`` of blobs, no longer than the cache's ttl), so that a read of it
 here returns that same value, not a new computation (which a source with randomness, an
 augmentation, would make different). Past the budget the oldest kept values are
-forgotten (counted as ``writes_forgotten``): a later read computes them again.
+forgotten (counted as ``writes_forgotten``): a later read computes them again. The same
+budget keeps the bytes of values acknowledged lately: a miss read before their write
+landed is answered from memory, not by a second store read that a slow store may not
+answer in time (then the value would be computed again).
 """
 
 from __future__ import annotations
@@ -78,9 +81,12 @@ class WriteQueue:
         self._unacked: dict[bytes, bytes] = {}
         self._recent: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._recent_max = recent
-        #: value key -> (its blob, time.monotonic() when kept): values whose write was
-        #: dropped or failed, oldest first, at most ``keep_bytes`` of blobs
-        self._kept: collections.OrderedDict[bytes, tuple[bytes, float]] = (
+        #: value key -> (its blob, time.monotonic() when kept, whether the store took it):
+        #: values whose write was dropped or failed, and values acknowledged lately (a
+        #: read-ahead miss older than the write is answered from here, not by a second
+        #: store read that a slow store may not answer in time), oldest first, at most
+        #: ``keep_bytes`` of blobs
+        self._kept: collections.OrderedDict[bytes, tuple[bytes, float, bool]] = (
             collections.OrderedDict())
         self._kept_bytes = 0
         self._keep_max = keep_bytes
@@ -116,7 +122,7 @@ class WriteQueue:
                     blob = self._values.pop(key, None)
                     if blob is not None and self._unacked.get(key) is blob:
                         del self._unacked[key]
-                        self._keep(key, blob)  # never stored: recalled from here
+                        self._keep(key, blob, False)  # never stored: recalled from here
                 dropped = overflow
             wake = not self._active
             self._active = True
@@ -145,8 +151,7 @@ class WriteQueue:
             for key, blob in batch.values.items():
                 if unacked.get(key) is blob:  # not queued again since
                     del unacked[key]
-                    if not written:
-                        self._keep(key, blob)
+                    self._keep(key, blob, written)
                 recent[key] = None
                 recent.move_to_end(key)
             while len(recent) > self._recent_max:
@@ -158,34 +163,34 @@ class WriteQueue:
         made now that timed out): recalled as if queued."""
         with self._lock:
             for key, blob in values.items():
-                self._keep(key, blob)
+                self._keep(key, blob, False)
 
-    def _keep(self, key: bytes, blob: bytes) -> None:  # locked
+    def _keep(self, key: bytes, blob: bytes, written: bool) -> None:  # locked
         self._unkeep(key)
         if len(blob) > self._keep_max:
-            self._forgotten += 1
+            self._forgotten += not written
             return
-        self._kept[key] = (blob, time.monotonic())
+        self._kept[key] = (blob, time.monotonic(), written)
         self._kept_bytes += len(blob)
         while self._kept_bytes > self._keep_max:
-            _key, (old, _at) = self._kept.popitem(last=False)
+            _key, (old, _at, was_written) = self._kept.popitem(last=False)
             self._kept_bytes -= len(old)
-            self._forgotten += 1
+            self._forgotten += not was_written  # a written one is in the store
 
     def _unkeep(self, key: bytes) -> None:  # locked
         held = self._kept.pop(key, None)
         if held is not None:
             self._kept_bytes -= len(held[0])
 
-    def _kept_blob(self, key: bytes) -> bytes | None:  # locked
+    def _kept_blob(self, key: bytes) -> tuple[bytes, bool] | None:  # locked
         held = self._kept.get(key)
         if held is None:
             return None
-        blob, at = held
+        blob, at, written = held
         if self._keep_ttl is not None and time.monotonic() - at > self._keep_ttl:
             self._unkeep(key)  # it would have expired in the store by now
             return None
-        return blob
+        return blob, written
 
     def take_forgotten(self) -> int:
         """Kept values dropped past the budget since the last call (for the counter)."""
@@ -217,9 +222,9 @@ class WriteQueue:
                     found[key] = blob
                     continue
                 if self._kept:
-                    blob = self._kept_blob(key)
-                    if blob is not None:
-                        kept[key] = blob
+                    held = self._kept_blob(key)
+                    if held is not None:
+                        (found if held[1] else kept)[key] = held[0]
                         continue
                 if key in self._recent:
                     again.append(key)
