@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 
 import pytest
 
@@ -115,3 +116,67 @@ def test_threads_queue_while_a_writer_drains() -> None:
     for t in threads:
         t.join()
     assert written == 8000 and q.unacknowledged == 0
+
+
+def test_queueing_nothing_leaves_the_next_write_to_wake_a_writer() -> None:
+    """A batch whose misses were all answered from the record queues no value: that must
+    not mark a writer at work (none starts for an empty queue), or every later write
+    waits for a writer that never comes (issue 37: the store was never filled again)."""
+    q = WriteQueue(max_pending=100)
+    assert q.put({}, {}) == (False, 0)
+    assert q.put({b"k": b"v"}, {b"k": b"v"}) == (True, 0)
+
+
+def test_values_the_store_lacks_are_handed_out_to_write_again_until_written() -> None:
+    q = WriteQueue(max_pending=100, acked_keep=60.0)
+    for key in (b"a", b"b", b"c"):
+        q.put({key: key * 10}, {key: key * 10})
+    batch = q.take(10)
+    assert batch is not None
+    q.done(batch, written=False)  # the store was down
+    assert q.unstored_values == 3 and q.kept_bytes == 30
+    first = q.unstored(max_values=2, max_bytes=1 << 20)
+    assert first == {b"a": b"a" * 10, b"b": b"b" * 10}  # oldest first, bounded
+    q.put(first, first)
+    assert q.unstored_values == 1  # in the queue now: recalled from there
+    again = q.take(10)
+    assert again is not None
+    q.done(again, written=True)
+    assert q.unstored_values == 1 and q.unstored(10, 1 << 20) == {b"c": b"c" * 10}
+    assert q.recall([b"a"])[0] == {b"a": b"a" * 10}  # acknowledged lately: from memory
+
+
+def test_acknowledged_values_leave_the_record_and_lost_ones_are_written_again() -> None:
+    q = WriteQueue(max_pending=100, acked_keep=0.2, rewrite_after=0.05)
+    q.put({b"k": b"v" * 100}, {b"k": b"v" * 100})
+    batch = q.take(10)
+    assert batch is not None
+    q.done(batch)
+    assert q.recall([b"k"]) == ({b"k": b"v" * 100}, [], {})  # a read older than the write
+    time.sleep(0.1)
+    # missed well after it was acknowledged: the store lost it, so the caller writes it
+    assert q.recall([b"k"]) == ({}, [], {b"k": b"v" * 100})
+    time.sleep(0.15)
+    assert q.kept_bytes == 0  # the memory is given back ...
+    assert q.recall([b"k"]) == ({}, [b"k"], {})  # ... and the store is asked again
+
+
+def test_an_invalidated_key_is_not_recalled_from_the_record() -> None:
+    q = WriteQueue(max_pending=100)
+    q.put({b"k": b"v"}, {b"k": b"v"})
+    batch = q.take(10)
+    assert batch is not None
+    q.done(batch, written=False)
+    q.discard([b"k"])
+    assert q.recall([b"k"]) == ({}, [], {}) and q.kept_bytes == 0
+
+
+def test_a_writer_asked_for_and_never_started_is_asked_for_again() -> None:
+    """An interrupt between a put() that asked for a writer and the caller starting one
+    leaves the queue marked as drained by a writer that does not exist: a later put()
+    asks again instead of waiting for it for ever."""
+    q = WriteQueue(max_pending=100)
+    assert q.put({b"a": b"1"}, {b"a": b"1"})[0]  # ... and the caller is interrupted here
+    assert not q.put({b"b": b"2"}, {b"b": b"2"})[0]  # a writer is believed at work
+    q._taken_at -= 5.0  # as if no writer had taken anything for 5 s
+    assert q.put({b"c": b"3"}, {b"c": b"3"})[0]

@@ -407,8 +407,14 @@ class AsyncKVCache:
 
     # -- stats ------------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
-        """Counters: hits, misses, errors, timeouts, batches, bytes_read, sets, ..."""
-        return self.counters.snapshot()
+        """Counters: hits, misses, errors, timeouts, batches, bytes_read, sets, ...; and
+        two sizes: ``unstored_values`` (values kept here because the store lacks them:
+        their write failed or was dropped) and ``kept_bytes`` (the read-your-writes
+        record's memory)."""
+        total = self.counters.snapshot()
+        total["unstored_values"] = self.writes.unstored_values
+        total["kept_bytes"] = self.writes.kept_bytes
+        return total
 
     def latency(self) -> dict[str, Latency]:
         """Durations of store requests, ``{"read": Latency, "write": Latency}``: one

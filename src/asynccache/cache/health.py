@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Literal
 
 from ..errors import (
@@ -42,6 +43,9 @@ class FailurePolicy:
         self._lock = threading.Lock()
         self._until: dict[NodeName, float] = {}    # node -> monotonic time its back-off ends
         self._backoff: dict[NodeName, float] = {}  # node -> length of its next back-off
+        #: called (in the thread that saw it) when a node that had failed answers again:
+        #: the cache writes what the store lacks (`asynccache.cache.writes.Writer.recover`)
+        self.on_recovered: Callable[[], None] | None = None
 
     # -- asking -----------------------------------------------------------------------
     def down(self) -> frozenset[NodeName]:
@@ -51,6 +55,15 @@ class FailurePolicy:
         now = time.monotonic()
         with self._lock:
             return frozenset(node for node, until in self._until.items() if now < until)
+
+    def retry_in(self) -> float | None:
+        """Seconds until the first node backing off may be asked again (None: none is)."""
+        if not self._until:
+            return None
+        now = time.monotonic()
+        with self._lock:
+            ends = [until for until in self._until.values() if until > now]
+        return min(ends) - now if ends else None
 
     def is_down(self, node: NodeName) -> bool:
         until = self._until.get(node)
@@ -95,11 +108,14 @@ class FailurePolicy:
             self.log.report("decode", exc, self.where)
 
     def succeeded(self, node: NodeName) -> None:
-        """``node`` answered: its back-off starts from the beginning next time."""
+        """``node`` answered: its back-off starts from the beginning next time, and
+        if it had failed, `on_recovered` is told."""
         if node in self._backoff:
             with self._lock:
-                self._backoff.pop(node, None)
+                recovered = self._backoff.pop(node, None) is not None
                 self._until.pop(node, None)
+            if recovered and self.on_recovered is not None:
+                self.on_recovered()
 
     def skipped(self, n: int) -> None:
         self.counters.shard()["skipped"] += n

@@ -19,9 +19,17 @@ store, yet this process has returned it: it is kept (`WriteQueue.keep()`, up to
 here returns that same value, not a new computation (which a source with randomness, an
 augmentation, would make different). Past the budget the oldest kept values are
 forgotten (counted as ``writes_forgotten``): a later read computes them again. The same
-budget keeps the bytes of values acknowledged lately: a miss read before their write
-landed is answered from memory, not by a second store read that a slow store may not
-answer in time (then the value would be computed again).
+budget keeps the bytes of values acknowledged lately (for ``ACKED_KEEP_SECONDS``): a miss
+read before their write landed is answered from memory, not by a second store read that a
+slow store may not answer in time (then the value would be computed again).
+
+Recovery. Kept values are what the store lacks: once it answers again (the failure
+policy's `FailurePolicy.on_recovered`), `Writer.recover()` writes them again in the
+background, a batch at a time through this queue (`WriteQueue.unstored()`); a value read
+from the record is queued again too. A kept value whose write landed leaves the record
+(after ``ACKED_KEEP_SECONDS``, as any acknowledged value). An acknowledged value that a
+read misses ``REWRITE_AFTER`` seconds after its write landed was lost by the store (a
+restart, an eviction): it is written again as well.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import collections
 import itertools
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -41,8 +50,8 @@ from . import chunks
 if TYPE_CHECKING:
     from .core import AsyncKVCache
 
-__all__ = ["KEEP_DROPPED_BYTES", "RECENT_KEYS", "WRITE_REQUEST_BYTES", "Batch", "WriteQueue",
-           "Writer"]
+__all__ = ["ACKED_KEEP_SECONDS", "KEEP_DROPPED_BYTES", "RECENT_KEYS", "REWRITE_AFTER",
+           "WRITE_REQUEST_BYTES", "Batch", "WriteQueue", "Writer"]
 
 #: Bytes per write request: a request must fit in ``timeout`` (a 50 MB batch is not one
 #: 1-second request), and reads queue behind less.
@@ -58,6 +67,21 @@ RECENT_KEYS = 1 << 16
 #: dropped or failed (a slow or dead store): what this process returned, it reads again.
 KEEP_DROPPED_BYTES = 64 * 1024 * 1024
 
+#: A put() this long after the writer last took a batch asks for a writer again (starting
+#: one when one is at work costs nothing): the bound on how long an interrupted caller can
+#: leave queued writes without a writer.
+WAKE_AGAIN_AFTER = 1.0
+
+#: How long the bytes of an acknowledged value stay in the record: long enough for any
+#: read-ahead miss sent before the write landed to be answered from memory; then the
+#: memory is given back (the key is still read again from the store, see RECENT_KEYS).
+ACKED_KEEP_SECONDS = 30.0
+
+#: A read that misses an acknowledged value this long after its write landed was not a
+#: read sent before the write: the store lost the value (restarted, evicted, flushed), so
+#: the recalled value is written again.
+REWRITE_AFTER = 2.0
+
 
 class Batch(NamedTuple):
     """Entries taken for one write request, and the values they complete."""
@@ -71,7 +95,9 @@ class WriteQueue:
     """Queued entries (value keys, chunk keys) and the values not acknowledged yet."""
 
     def __init__(self, max_pending: int, recent: int = RECENT_KEYS,
-                 keep_bytes: int = KEEP_DROPPED_BYTES, ttl: float | None = None) -> None:
+                 keep_bytes: int = KEEP_DROPPED_BYTES, ttl: float | None = None, *,
+                 acked_keep: float = ACKED_KEEP_SECONDS,
+                 rewrite_after: float = REWRITE_AFTER) -> None:
         self._lock = threading.Lock()
         #: store key -> bytes to write, in queue order (chunks before their manifest)
         self._queued: dict[bytes, bytes] = {}
@@ -81,21 +107,30 @@ class WriteQueue:
         self._unacked: dict[bytes, bytes] = {}
         self._recent: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._recent_max = recent
-        #: value key -> (its blob, time.monotonic() when kept, whether the store took it):
-        #: values whose write was dropped or failed, and values acknowledged lately (a
-        #: read-ahead miss older than the write is answered from here, not by a second
-        #: store read that a slow store may not answer in time), oldest first, at most
-        #: ``keep_bytes`` of blobs
-        self._kept: collections.OrderedDict[bytes, tuple[bytes, float, bool]] = (
+        #: the record, two parts sharing ``keep_bytes`` of blobs, oldest first in each:
+        #: value key -> (its blob, time.monotonic() when kept). ``_unstored``: values whose
+        #: write was dropped or failed (the store lacks them: written again on recovery);
+        #: ``_acked``: values acknowledged lately (a read-ahead miss older than the write
+        #: is answered from here, not by a second store read that a slow store may not
+        #: answer in time), for ``acked_keep`` seconds
+        self._unstored: collections.OrderedDict[bytes, tuple[bytes, float]] = (
+            collections.OrderedDict())
+        self._acked: collections.OrderedDict[bytes, tuple[bytes, float]] = (
             collections.OrderedDict())
         self._kept_bytes = 0
         self._keep_max = keep_bytes
         self._keep_ttl = ttl
+        self._acked_keep = acked_keep
+        self._rewrite_after = rewrite_after
         #: kept values forgotten since the last `take_forgotten()` (past the budget)
         self._forgotten = 0
         self._max_pending = max_pending
         #: a writer is (or has been asked to be) at work; put() wakes one otherwise
         self._active = False
+        #: when the writer last took a batch: a put() long after it wakes a writer again,
+        #: whatever ``_active`` says (an interrupt between a put() that asked for a writer
+        #: and the caller starting one must not leave every later write waiting)
+        self._taken_at = time.monotonic()
 
     # -- producers: any thread --------------------------------------------------------
     def put(self, values: Mapping[bytes, bytes],
@@ -104,6 +139,8 @@ class WriteQueue:
 
         Returns ``(wake, dropped)``: whether the caller must start a writer (none is
         at work), and how many queued entries were dropped to stay bounded."""
+        if not entries:  # nothing to write: no writer to wake (and none would start)
+            return False, 0
         with self._lock:
             queued = self._queued
             for key in entries:
@@ -111,7 +148,7 @@ class WriteQueue:
             queued.update(entries)
             self._values.update(values)
             self._unacked.update(values)
-            if self._kept:
+            if self._unstored or self._acked:
                 for key in values:  # written again: the new value is the one to recall
                     self._unkeep(key)
             dropped = 0
@@ -124,7 +161,7 @@ class WriteQueue:
                         del self._unacked[key]
                         self._keep(key, blob, False)  # never stored: recalled from here
                 dropped = overflow
-            wake = not self._active
+            wake = not self._active or time.monotonic() - self._taken_at > WAKE_AGAIN_AFTER
             self._active = True
         return wake, dropped
 
@@ -133,6 +170,7 @@ class WriteQueue:
         """Up to ``max_keys`` queued entries, oldest first; None (and the writer's turn
         ends) when nothing is queued."""
         with self._lock:
+            self._taken_at = time.monotonic()
             queued = self._queued
             if not queued:
                 self._active = False
@@ -170,27 +208,33 @@ class WriteQueue:
         if len(blob) > self._keep_max:
             self._forgotten += not written
             return
-        self._kept[key] = (blob, time.monotonic(), written)
+        (self._acked if written else self._unstored)[key] = (blob, time.monotonic())
         self._kept_bytes += len(blob)
-        while self._kept_bytes > self._keep_max:
-            _key, (old, _at, was_written) = self._kept.popitem(last=False)
+        self._trim()
+
+    def _trim(self) -> None:  # locked
+        """Within the budget: acknowledged values go first (the store has them), then the
+        oldest values the store lacks (counted as forgotten); acknowledged values past
+        ``acked_keep`` leave the record whatever the budget."""
+        acked = self._acked
+        if acked:
+            too_old = time.monotonic() - self._acked_keep
+            while acked and (self._kept_bytes > self._keep_max
+                             or next(iter(acked.values()))[1] < too_old):
+                _key, (old, _at) = acked.popitem(last=False)
+                self._kept_bytes -= len(old)
+        while self._kept_bytes > self._keep_max and self._unstored:
+            _key, (old, _at) = self._unstored.popitem(last=False)
             self._kept_bytes -= len(old)
-            self._forgotten += not was_written  # a written one is in the store
+            self._forgotten += 1
 
     def _unkeep(self, key: bytes) -> None:  # locked
-        held = self._kept.pop(key, None)
+        held = self._unstored.pop(key, None) or self._acked.pop(key, None)
         if held is not None:
             self._kept_bytes -= len(held[0])
 
-    def _kept_blob(self, key: bytes) -> tuple[bytes, bool] | None:  # locked
-        held = self._kept.get(key)
-        if held is None:
-            return None
-        blob, at, written = held
-        if self._keep_ttl is not None and time.monotonic() - at > self._keep_ttl:
-            self._unkeep(key)  # it would have expired in the store by now
-            return None
-        return blob, written
+    def _expired(self, at: float, now: float) -> bool:
+        return self._keep_ttl is not None and now - at > self._keep_ttl
 
     def take_forgotten(self) -> int:
         """Kept values dropped past the budget since the last call (for the counter)."""
@@ -200,31 +244,69 @@ class WriteQueue:
 
     @property
     def kept_bytes(self) -> int:
-        """Bytes of values kept because their write was dropped or failed."""
+        """Bytes of the record: values the store lacks and values acknowledged lately."""
+        if self._acked:
+            with self._lock:
+                self._trim()
         return self._kept_bytes
+
+    @property
+    def unstored_values(self) -> int:
+        """Values kept because their write was dropped or failed (the store lacks them)."""
+        return len(self._unstored)
+
+    def unstored(self, max_values: int, max_bytes: int) -> dict[bytes, bytes]:
+        """The oldest kept values the store lacks, up to ``max_values`` and about
+        ``max_bytes`` (at least one): to write again, through `put()` (which takes them out
+        of the record until their write is answered). Values past the ttl are forgotten
+        (the store would have let them expire by now)."""
+        found: dict[bytes, bytes] = {}
+        size = 0
+        with self._lock:
+            now = time.monotonic()
+            for key, (blob, at) in list(self._unstored.items()):
+                if self._expired(at, now):
+                    self._unkeep(key)
+                    continue
+                if key in self._unacked:
+                    continue  # queued again meanwhile: that write is the newer one
+                if found and (len(found) >= max_values or size + len(blob) > max_bytes):
+                    break
+                found[key] = blob
+                size += len(blob)
+        return found
 
     # -- readers: any thread, on a miss -------------------------------------------------
     def recall(self, keys: Iterable[bytes]
                ) -> tuple[dict[bytes, bytes], list[bytes], dict[bytes, bytes]]:
         """For keys that missed: the blobs of those this process wrote and the store has
         not acknowledged, the keys acknowledged lately (read them again), and the blobs
-        of those the store never took (kept: the caller writes them again, the store
-        still lacks them)."""
+        of those the store lacks (kept: the caller writes them again) -- never took, or
+        acknowledged over ``rewrite_after`` seconds ago and missing now (lost since)."""
         found: dict[bytes, bytes] = {}
         again: list[bytes] = []
         kept: dict[bytes, bytes] = {}
         with self._lock:
-            if not self._unacked and not self._recent and not self._kept:
+            if not (self._unacked or self._recent or self._unstored or self._acked):
                 return found, again, kept
+            now = time.monotonic()
             for key in keys:
                 blob = self._unacked.get(key)
                 if blob is not None:
                     found[key] = blob
                     continue
-                if self._kept:
-                    held = self._kept_blob(key)
-                    if held is not None:
-                        (found if held[1] else kept)[key] = held[0]
+                held = self._unstored.get(key)
+                if held is not None:
+                    if not self._expired(held[1], now):
+                        kept[key] = held[0]
+                        continue
+                    self._unkeep(key)  # it would have expired in the store by now
+                held = self._acked.get(key)
+                if held is not None:
+                    if self._expired(held[1], now) or now - held[1] > self._acked_keep:
+                        self._unkeep(key)
+                    else:
+                        (kept if now - held[1] > self._rewrite_after else found)[key] = held[0]
                         continue
                 if key in self._recent:
                     again.append(key)
@@ -234,13 +316,15 @@ class WriteQueue:
         """Forget ``keys`` (an invalidation): their queued writes are not made, and no miss
         recalls them or reads them again for this process's sake."""
         with self._lock:
-            if not (self._queued or self._unacked or self._recent):
+            if not (self._queued or self._unacked or self._recent or self._unstored
+                    or self._acked):
                 return
             for key in keys:
                 self._queued.pop(key, None)
                 self._values.pop(key, None)
                 self._unacked.pop(key, None)
                 self._recent.pop(key, None)
+                self._unkeep(key)
 
     def forget(self) -> int:
         """Drop everything queued (the loop is gone); how many entries were dropped."""
@@ -268,6 +352,13 @@ class Writer:
 
     def __init__(self, cache: AsyncKVCache) -> None:
         self.cache = cache
+        #: the store answered again after failing: how many of the record's values the
+        #: store lacks the writer still writes again once its queue is empty (a bound: a
+        #: value the store keeps refusing is not tried for ever; see `recover()`)
+        self.recovering = 0
+        #: the timer that tries the record's values again once a back-off ends
+        self._probe: asyncio.TimerHandle | None = None
+        cache.policy.on_recovered = self.recover
 
     # -- encoding: any thread ------------------------------------------------------------
     def encode_values(self, mapping: Mapping[bytes, Any]) -> dict[bytes, bytes]:
@@ -376,16 +467,43 @@ class Writer:
         self.start()
 
     def start(self) -> None:
-        """Start this loop's writer if entries are queued and none is at work (loop)."""
+        """Start this loop's writer if entries are queued (or the record is to be written
+        again) and none is at work (loop)."""
         cache = self.cache
         here = cache._loop()
-        if (here.writer is None or here.writer.done()) and len(cache.writes):
+        if (here.writer is None or here.writer.done()) and (
+                len(cache.writes) or (self.recovering and cache.writes.unstored_values)):
             here.writer = here.spawn(self._drain())
+
+    def recover(self) -> None:
+        """A store node answered after failing: write the values this process keeps
+        because the store lacks them, in the background (any thread: the policy calls it
+        from whichever thread saw the answer)."""
+        cache = self.cache
+        self.recovering = cache.writes.unstored_values
+        if not self.recovering:
+            return
+        here = cache._loop_state
+        if here is None or here.loop.is_closed():
+            return  # no loop yet: the next write starts the writer, which goes on with these
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is here.loop:
+            self.start()
+        else:
+            here.loop.call_soon_threadsafe(self.start)
 
     async def _drain(self) -> None:
         cache = self.cache
         writes, max_keys = cache.writes, cache.client.max_batch * 4
-        while (batch := writes.take(max_keys)) is not None:
+        while True:
+            batch = writes.take(max_keys)
+            if batch is None:
+                if not self._rewrite_next(max_keys):
+                    return
+                continue
             written = False
             try:
                 written = await self.write_entries(batch.entries, cache.ttl)
@@ -394,7 +512,49 @@ class Writer:
             finally:
                 writes.done(batch, written)
                 if not written:
+                    if cache.policy.down():
+                        self.recovering = 0  # failing again: the next recovery goes on
+                        self._probe_later()
                     self.count_forgotten()
+
+    def _probe_later(self) -> None:
+        """Once the back-off ends, try the values the store lacks again (loop): the
+        probe that finds a store back even when no read asks it (every read a near hit,
+        a process that only writes). Its success is a recovery (`recover()`); its
+        failure backs the node off longer, and is probed again after that."""
+        if self._probe is not None or not self.cache.writes.unstored_values:
+            return
+        delay = self.cache.policy.retry_in()
+        if delay is None:
+            return
+        loop = asyncio.get_running_loop()
+        self._probe = loop.call_later(delay + 0.01, _probe_weakly, weakref.ref(self))
+
+    def probe(self) -> None:
+        """The back-off ended: write the record's values again (loop)."""
+        self._probe = None
+        if self.cache.writes.unstored_values and not self.cache._closed:
+            self.recovering = self.cache.writes.unstored_values
+            self.start()
+
+    def _rewrite_next(self, max_keys: int) -> bool:
+        """Queue the next batch of kept values the store lacks, while recovering and no
+        node is backing off; False when there is none (the writer's turn ends)."""
+        cache = self.cache
+        if self.recovering <= 0:
+            return False
+        if cache.policy.down():  # some node still backing off: try when it ends
+            self.recovering = 0
+            self._probe_later()
+            return False
+        blobs = cache.writes.unstored(min(max_keys, self.recovering), WRITE_REQUEST_BYTES)
+        if not blobs:
+            self.recovering = 0
+            return False
+        self.recovering -= len(blobs)
+        cache.counters.shard()["rewritten"] += len(blobs)
+        self.write_later(blobs)
+        return True
 
     async def flush(self) -> None:
         """Wait for queued write-behind entries to reach the store (or be dropped)."""
@@ -426,9 +586,18 @@ class Writer:
                 found[key] = decode(blob, key)
             except DecodeError:  # bytes this process encoded: cannot happen; be safe
                 again.append(key)
-        if found:
-            cache.counters.shard()["recalled"] += len(found)
+        if found:  # answered from this process's record: not a miss (misses counted it)
+            counters = cache.counters.shard()
+            counters["recalled"] += len(found)
+            counters["misses"] -= len(found)
         return found, again, kept
+
+
+def _probe_weakly(ref: weakref.ref[Writer]) -> None:
+    # a weak reference: a pending probe must not keep a cache nobody uses alive
+    writer = ref()
+    if writer is not None:
+        writer.probe()
 
 
 def _requests(entries: Mapping[bytes, bytes], max_keys: int) -> Iterator[dict[bytes, bytes]]:

@@ -18,6 +18,10 @@ __all__ = ["CacheCollector", "SummaryLogger", "log_summary", "register", "summar
 COUNTERS = (
     ("hits", "hits", "Reads answered from the cache (store or in-process L1)."),
     ("misses", "misses", "Reads the cache could not answer (computed from the source)."),
+    ("recalled", "recalled",
+     "Reads answered from this process's record of its own writes (not a hit, not a miss)."),
+    ("rewritten", "rewritten",
+     "Kept values written again once the store answered after failing (or lost them)."),
     ("l1_hits", "l1_hits", "Hits served by the in-process L1 tier."),
     ("bytes_read", "read_bytes", "Bytes of values read from the store."),
     ("bytes_written", "written_bytes", "Bytes of values written to the store."),

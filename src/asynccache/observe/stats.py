@@ -28,7 +28,7 @@ CORE_COUNTERS = (
     "rejected", "skipped", "batches", "keys_requested", "coalesced", "bytes_read",
     "sets", "set_batches", "bytes_written", "writes_dropped", "chunked_values",
     "batch_time_us", "leases", "lease_waits", "lease_hits", "lease_timeouts", "l1_hits",
-    "recalled", "writes_forgotten",
+    "recalled", "writes_forgotten", "rewritten",
 )
 
 

@@ -258,8 +258,10 @@ class ProcessRuntime:
             except (concurrent.futures.TimeoutError, CacheError):
                 values = []
             reread = {key: value for key, value in zip(again, values) if is_value(value)}
-            if reread:
-                self.cache.count("recalled", len(reread))
+            if reread:  # the store had them after all: hits, not the misses counted
+                counters = self.cache.counters.shard()
+                counters["hits"] += len(reread)
+                counters["misses"] -= len(reread)
                 found.update(reread)
         return found
 
