@@ -22,7 +22,7 @@ except ImportError as exc:  # pragma: no cover - the extra is installed in CI
     raise MissingDependency(
         "lmdb:// needs the lmdb package: pip install 'asynccache[lmdb]'") from exc
 
-__all__ = ["FORK_WAIT", "Settings", "session", "using", "writer"]
+__all__ = ["FORK_WAIT", "Settings", "in_use", "session", "using", "writer"]
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,20 @@ FORK_WAIT = 10.0
 
 
 class _Process:
-    """This process' environments (by real path), their users, its writer thread."""
+    """This process' environments (by real path), the threads using them, its writer
+    thread.
+
+    What a fork waits for is a set of *threads* inside an operation, not a count: an
+    exception raised by a signal handler (Ctrl-C, a SIGTERM or SIGALRM handler) can land
+    between marking an operation and the ``try`` that unmarks it, and a count would stay
+    up for the life of the process, so that every later fork waited ``FORK_WAIT`` for an
+    operation that had ended. A thread's mark can be checked: a thread is never inside
+    two operations, so a mark found when it begins another, or on the thread that is
+    forking (it is calling ``fork``, not LMDB), or on a thread that has ended, is left
+    over by an interrupt; it is dropped and counted (`repaired`). Python runs signal
+    handlers in the main thread only, so only its mark can be left over, and it forks
+    the DataLoader workers.
+    """
 
     def __init__(self) -> None:
         self.envs: dict[str, Env] = {}
@@ -51,8 +64,21 @@ class _Process:
         #: ``Condition.__enter__``, which would leave it held for ever); ``idle`` waits on it
         self.lock = threading.Lock()
         self.idle = threading.Condition(self.lock)
-        self.users = 0          # operations between begin and end of their transaction
+        #: idents of the threads between begin and end of a transaction
+        self.active: set[int] = set()
         self.forking = False    # a fork is closing the environments: wait
+        #: marks found left over by an interrupt and dropped (see the class docstring)
+        self.repaired = 0
+
+    def busy(self) -> set[int]:  # locked
+        """The threads a fork must wait for; left-over marks dropped on the way."""
+        me = threading.get_ident()
+        alive = {thread.ident for thread in threading.enumerate()}
+        stale = {ident for ident in self.active if ident == me or ident not in alive}
+        if stale:
+            self.active -= stale
+            self.repaired += len(stale)
+        return self.active
 
 
 _process = _Process()
@@ -76,9 +102,9 @@ def _before_fork() -> None:
     with proc.lock:
         proc.forking = True
         deadline = time.monotonic() + FORK_WAIT
-        while proc.users and (left := deadline - time.monotonic()) > 0:
+        while proc.busy() and (left := deadline - time.monotonic()) > 0:
             proc.idle.wait(left)
-        if not proc.users:
+        if not proc.active:
             for held in proc.envs.values():
                 held.close()
             proc.envs.clear()
@@ -109,13 +135,16 @@ def session(settings: Settings, where: str) -> Iterator[Env]:
     block become an `EnvironmentDamaged`, and the environment is not used again
     in this process."""
     proc = _process
+    me = threading.get_ident()
     with proc.lock:
         while proc.forking:
             proc.idle.wait()
         held = proc.envs.get(settings.path)
         if held is None:
             held = proc.envs[settings.path] = _open(settings, where)
-        proc.users += 1
+        if me in proc.active:  # left over by an interrupted operation of this thread
+            proc.repaired += 1
+        proc.active.add(me)
     try:
         held.check()
         yield held
@@ -123,8 +152,8 @@ def session(settings: Settings, where: str) -> Iterator[Env]:
         raise held.fail(f"LMDB found it inconsistent ({type(exc).__name__}: {exc})") from exc
     finally:
         with proc.lock:
-            proc.users -= 1
-            if not proc.users and proc.forking:
+            proc.active.discard(me)
+            if not proc.active and proc.forking:
                 proc.idle.notify_all()
 
 
@@ -169,6 +198,14 @@ def _open(settings: Settings, where: str) -> Env:
         env.close()
         raise StoreUnavailable(f"LMDB {where}: cannot open data.mdb to check it: {exc}; "
                                "check the directory's permissions") from exc
+
+
+def in_use() -> tuple[int, int]:
+    """(threads inside an LMDB operation now, left-over marks repaired so far), for tests
+    and diagnostics."""
+    proc = _process
+    with proc.lock:
+        return len(proc.active), proc.repaired
 
 
 def writer() -> concurrent.futures.ThreadPoolExecutor:
