@@ -527,10 +527,11 @@ def test_the_tiered_bench_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str
                                    "near alone"}
     assert all(case["epoch_s"] > 0 for case in level["cases"].values())
     config = entry["results"]["config"]
-    # copied in DataLoader workers, reported as of their last report: most, maybe not all;
-    # and each worker reads ahead its next epoch's first batch as its share ends (these
-    # workers are not persistent: a batch each, wasted, maybe copied once more)
+    # copied in DataLoader workers, reported as of their last report (on a busy machine a
+    # report may not have arrived: 0 is possible, a figure, not a defect); each worker
+    # reads ahead its next epoch's first batch as its share ends (these workers are not
+    # persistent: a batch each, wasted, maybe copied once more)
     most = config["items"] + config["workers"] * config["batch"]
     assert level["copied_per_empty_epoch"] and all(
-        0 < copied <= most for copied in level["copied_per_empty_epoch"])
+        0 <= copied <= most for copied in level["copied_per_empty_epoch"])
     assert entry["plots"] and "Near/far tier" in (tmp_path / "summary.md").read_text()
