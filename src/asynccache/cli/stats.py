@@ -111,14 +111,15 @@ def local_counters(namespace: str) -> dict[str, Any]:
             (live if alive(pid) else exited).add(pid)
             for name, value in counters.items():
                 total[name] = total.get(name, 0) + value
-    hits, misses = total.get("hits", 0), total.get("misses", 0)
+    hits = total.get("hits", 0)
+    reads = hits + total.get("misses", 0) + total.get("recalled", 0)
     return {
         "processes": len(live),
         "exited_processes": len(exited - live),
         "boards": len(boards),
         "ignored_files": sum(board.errors for board in boards),
         **{name: total.get(name, 0) for name in SHOWN},
-        "hit_rate": hits / (hits + misses) if hits + misses else None,
+        "hit_rate": hits / reads if reads else None,
         "counters": total,
     }
 

@@ -61,7 +61,7 @@ def summary_line(obj: Any) -> str:
     stats = obj.stats()
     latency: Latency = obj.latency().get("read", Latency())
     hits, misses = stats.get("hits", 0), stats.get("misses", 0)
-    lookups = hits + misses
+    lookups = hits + misses + stats.get("recalled", 0)  # every read is one of the three
     rate = f"{100 * hits / lookups:.1f}%" if lookups else "-"
     errors = stats.get("errors", 0)
     parts = [f"{kind} {stats[kind]:,}" for kind in ERROR_KINDS if stats.get(kind)]
