@@ -228,6 +228,7 @@ class AsyncKVCacheMapDataPipe(_Base):
         self.l1_bytes = l1_bytes
         self._mapping = orders.mapping_behind(source)
         self.order = self._check_order(order)
+        self._order_start = orders.Start.of(self.order)
         self._reports = Reports(secrets.token_hex(8), self.namespace)
         self._reports.bind(self)
         self._rt: PipeRuntime | None = None
@@ -259,6 +260,7 @@ class AsyncKVCacheMapDataPipe(_Base):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_rt"] = None
+        state["_order_start"] = None  # the owner's; a worker follows its own copy
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -313,6 +315,7 @@ class AsyncKVCacheMapDataPipe(_Base):
         if empty:
             raise ConfigError("order is empty: pass the indices that will be read, or "
                               "order=None to let asynccache detect sequential reads")
+        orders.seed_generators(order)  # followable in every worker (see there)
         return order
 
     def _plan_from(self, items: list[Any]) -> list[Any]:
@@ -348,7 +351,7 @@ class AsyncKVCacheMapDataPipe(_Base):
         if order is None or rt is None:
             return None
 
-        draws = orders.EpochDraws(order)
+        draws = orders.EpochDraws(order, self.__dict__.get("_order_start"))
 
         def starts_with(first: Any) -> Callable[[list[Any]], bool]:
             def fits(items: list[Any]) -> bool:
@@ -458,6 +461,7 @@ class AsyncKVCacheMapDataPipe(_Base):
         """Tell the prefetchers the indices that will be read next (every thread's, at its
         next read); re-iterated when used up."""
         self.order = self._check_order(order)
+        self._order_start = orders.Start.of(self.order)
         self._runtime().order_changed()
 
     # -- lifecycle -------------------------------------------------------------------------

@@ -9,7 +9,8 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-__all__ = ["EpochDraws", "as_list", "mapping_behind", "one_pass", "worker_info"]
+__all__ = ["EpochDraws", "Start", "as_list", "mapping_behind", "one_pass", "seed_generators",
+           "worker_info"]
 
 #: How far from its guess a worker looks for the epoch a first read belongs to.
 EPOCH_SEARCH = 8
@@ -64,6 +65,17 @@ def one_pass(order: Iterable[Any]) -> list[Any]:
         torch.set_rng_state(state)
 
 
+def _iterate_own(copy_: Any) -> list[Any]:
+    """One epoch of a copy this process keeps (its generator moves on, the user's does
+    not), torch's global random state left as it was."""
+    torch = sys.modules["torch"]
+    state = torch.get_rng_state()
+    try:
+        return as_list(copy_)
+    finally:
+        torch.set_rng_state(state)
+
+
 def _detached(order: Any, torch: Any) -> Any:
     """A shallow copy of a sampler (and of the sampler it wraps) with cloned generators."""
     generator = getattr(order, "generator", None)
@@ -85,6 +97,78 @@ def _detached(order: Any, torch: Any) -> Any:
     if inner is not None and inner is not order:
         clone.sampler = _detached(inner, torch)
     return clone
+
+
+def seed_generators(order: Any) -> int:
+    """Give each torch sampler in ``order`` (and in the samplers it wraps) that draws from
+    torch's global RNG a generator of its own, seeded from that RNG now; how many.
+
+    A sampler without a generator (``DataLoader(shuffle=True)`` with no ``generator=``,
+    ``SubsetRandomSampler``, ``WeightedRandomSampler``) draws each epoch from the global
+    RNG of the process that iterates it, and every DataLoader worker's global RNG is
+    seeded differently: a worker's copy of the sampler can never draw the permutation
+    the main process draws, and read-ahead would only ever guess wrong. With a generator
+    of its own the sampler draws the same permutations in the main process and in each
+    worker's copy (made from the same generator state), epoch after epoch. Seeded from
+    the global RNG, so a run under ``torch.manual_seed`` still draws the same orders every
+    time (not the same as without the pipe: one draw is taken here, and the sampler no
+    longer moves the global RNG). Only in the process that owns the order, and only
+    torch's samplers (a ``generator`` attribute that is None).
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or worker_info() is not None:
+        return 0
+    sampler_type = getattr(getattr(torch, "utils", None), "data", None)
+    sampler_type = getattr(sampler_type, "Sampler", None)
+    seeded, node, seen = 0, order, 0
+    while node is not None and seen < 4:
+        if (sampler_type is not None and isinstance(node, sampler_type)
+                and hasattr(node, "generator") and node.generator is None):
+            seed = int(torch.empty((), dtype=torch.int64).random_().item())
+            node.generator = torch.Generator().manual_seed(seed)
+            seeded += 1
+        inner = getattr(node, "sampler", None)
+        node, seen = (inner if inner is not node else None), seen + 1
+    return seeded
+
+
+class Start:
+    """An order as it was when it was given (``set_order``), in the process that owns it:
+    a detached copy of the sampler, its generators cloned.
+
+    Why: with no DataLoader workers the loader iterates the user's sampler in this
+    process, and it has already drawn the epoch's permutation from the generator when
+    the pipe's first read asks for a plan: a detached copy made then would draw the
+    *next* epoch's. A copy made when the order was given, iterated once per epoch,
+    draws what the loader draws, epoch after epoch, as a worker's own copy does. Only
+    for orders whose randomness is a generator's state (not a sampler told its epoch,
+    ``set_epoch``, whose current state is what to draw from).
+    """
+
+    def __init__(self, copy_: Any) -> None:
+        self.copy = copy_
+
+    @classmethod
+    def of(cls, order: Any) -> Start | None:
+        torch = sys.modules.get("torch")
+        if (order is None or torch is None or worker_info() is not None
+                or epoch_sampler(order) is not None or not _has_generator(order, torch)):
+            return None
+        return cls(_detached(order, torch))
+
+    def draws(self) -> Any:
+        """A copy of its own for one consumer (each iterates it once per epoch)."""
+        return _detached(self.copy, sys.modules["torch"])
+
+
+def _has_generator(order: Any, torch: Any) -> bool:
+    node, seen = order, 0
+    while node is not None and seen < 4:
+        if isinstance(getattr(node, "generator", None), torch.Generator):
+            return True
+        inner = getattr(node, "sampler", None)
+        node, seen = (inner if inner is not node else None), seen + 1
+    return False
 
 
 def epoch_sampler(order: Any) -> Any:
@@ -112,10 +196,13 @@ class EpochDraws:
     belongs to, around the guess. The user's sampler is never touched.
     """
 
-    def __init__(self, order: Iterable[Any]) -> None:
+    def __init__(self, order: Iterable[Any], start: Start | None = None) -> None:
         self.order = order
         self.draws = 0
         self.last: list[Any] | None = None
+        #: outside workers, an order with a generator: a copy of it as it was given,
+        #: iterated once per epoch in step with the loader (see `Start`)
+        self.own = start.draws() if start is not None and worker_info() is None else None
 
     def _worker_sampler(self) -> Any:
         return epoch_sampler(self.order) if worker_info() is not None else None
@@ -126,7 +213,7 @@ class EpochDraws:
         if sampler is not None and self.draws:
             sampler.set_epoch(sampler.epoch + 1)
         self.draws += 1
-        self.last = one_pass(self.order)
+        self.last = one_pass(self.order) if self.own is None else _iterate_own(self.own)
         return self.last
 
     def find(self, fits: Callable[[list[Any]], bool]) -> list[Any]:
@@ -136,6 +223,8 @@ class EpochDraws:
             # a worker's own copy, not told an epoch (a generator): drawn once per epoch,
             # in step with the parent's; drawing it again would move it on for good
             return self.last
+        if self.own is not None and self.last is not None and fits(self.last):
+            return self.last  # the own copy's draw, in step with the loader (`Start`)
         items = one_pass(self.order)
         if sampler is None or fits(items):
             return items

@@ -27,6 +27,14 @@ class NOTHING(Sentinel, metaclass=Sentinel):
 COUNTERS = ("hits", "misses", "prefetch_hits", "stalls", "stall_us", "direct_reads",
             "prefetch_wasted", "stall_timeouts", "interrupted_reads")
 
+def _repeated(plan: Sequence[Any]) -> set[Any]:
+    """The indices ``plan`` holds more than once (none in a range)."""
+    if isinstance(plan, range):
+        return set()
+    seen: set[Any] = set()
+    return {i for i in plan if i in seen or seen.add(i)}  # type: ignore[func-returns-value]
+
+
 def _drain(iterator: Any) -> None:
     collections.deque(iterator, maxlen=0)
 
@@ -54,6 +62,13 @@ class Prefetcher:
         self.bounded = False
         self.strict = strict
         self.ready: dict[Any, Any] = {}
+        #: indices the plan holds more than once (a sampler with replacement), and how
+        #: many of their planned positions were passed over by a request because a read of
+        #: the same index was already ready or in flight: each is requested again when its
+        #: value is taken (`_repay()`), so that a repeat is read ahead, not read directly
+        self.repeats: set[Any] = set()
+        self.owed: dict[Any, int] = {}
+        self.again: list[Any] = []
         self.inflight: dict[Any, Ticket] = {}
         self.plan: Sequence[Any] = ()
         self.plan_len = 0
@@ -128,6 +143,8 @@ class Prefetcher:
         self.inflight.clear()
         self.reader.reset()
         self.requested = min(self.requested, self.pos)
+        self._rewound()
+        self.again.clear()
         self.interrupted += 1
         self.broken = False
 
@@ -165,6 +182,7 @@ class Prefetcher:
         self.epoch_start += (reads - self.epoch_start) // length * length
         self.epoch += 1
         self.requested = min(self.requested, self.pos)
+        self._rewound()
         ready = self.ready
         stale = [i for i, v in ready.items() if v is MISSING or type(v) is Failed]
         for index in stale:
@@ -198,6 +216,9 @@ class Prefetcher:
         self.ready.clear()
         self.inflight.clear()
         self.plan, self.plan_len, self.pos, self.requested = plan, len(plan), 0, 0
+        self.repeats = _repeated(plan)
+        self.owed.clear()
+        self.again.clear()
         self.replan = replan
         self.guessed, self.tentative = guessed or tentative, tentative
         self._top_up()
@@ -229,15 +250,45 @@ class Prefetcher:
         ahead = batch if self.tentative and not self.pos else window
         limit = min(self.plan_len, self.pos + ahead)
         start = max(self.requested, self.pos)
-        ready, inflight = self.ready, self.inflight
+        ready, inflight, repeats = self.ready, self.inflight, self.repeats
+        if self.again:  # repeats whose earlier read was taken: their own read now
+            again, self.again = self.again, []
+            self._submit([i for i in dict.fromkeys(again) if not self._owing(i)])
         while start < limit:
             stop = min(start + batch, limit)
             if stop - start < batch and stop < self.plan_len:
                 break  # wait until a whole batch fits in the window
-            indices = [i for i in plan[start:stop] if i not in ready and i not in inflight]
+            if repeats:
+                indices = [i for i in dict.fromkeys(plan[start:stop]) if not self._owing(i)]
+                for i in plan[start:stop]:  # a repeat inside this request is owed too
+                    if i in repeats:
+                        self.owed[i] = self.owed.get(i, 0) + 1
+                for i in indices:
+                    if i in repeats:
+                        self.owed[i] -= 1
+            else:
+                indices = [i for i in plan[start:stop] if i not in ready and i not in inflight]
             self.requested = start = stop
             if indices:
                 self._submit(indices)
+
+    def _rewound(self) -> None:
+        """``requested`` went back to ``pos``: the positions after it are walked again by
+        `_top_up()`, where a repeat's read that is ready or in flight (made for one of
+        them) must not count as owing that position a read of its own."""
+        self.owed = {i: -1 for i in self.repeats if self._owing(i)} if self.repeats else {}
+
+    def _owing(self, index: Any) -> bool:
+        """Whether a read of ``index`` is already ready or in flight (then a planned repeat
+        of it is owed a read of its own, made when that one is taken)."""
+        return index in self.ready or index in self.inflight
+
+    def _repay(self, index: Any) -> None:
+        """``index`` was taken: a repeat of it that no request covers gets its read."""
+        owed = self.owed.get(index, 0)
+        if owed > 0:
+            self.owed[index] = owed - 1
+            self.again.append(index)
 
     def _submit(self, indices: list[Any], direct: bool = False) -> Ticket:
         key_of = self.key_of
@@ -464,7 +515,9 @@ class Prefetcher:
                 self.fast_reads += 1
                 if value is MISSING or type(value) is Failed:
                     return self._guarded(self._special_in_order, index, value)
-                if self.requested - pos - 1 <= self.window - self.batch:
+                if self.owed:
+                    self._repay(index)
+                if self.requested - pos - 1 <= self.window - self.batch or self.again:
                     self.broken = True  # (the fast path's one guarded step)
                     self._top_up()
                     self.broken = False
@@ -474,6 +527,7 @@ class Prefetcher:
     def _take_slow(self, index: Any, value: Any) -> Any:
         """`take()` off its fast path: ``value`` is what the buffer held (or NOTHING)."""
         if value is not NOTHING:
+            self._repay(index)
             self._refresh_order()
             self._count_slow(1)
             self._after(index, self._advance(index))
@@ -505,6 +559,19 @@ class Prefetcher:
         self._deliver(self.reader.poll())  # whatever arrived since the last read
         pop = self.ready.pop
         out = [pop(i, NOTHING) for i in indices]
+        if self.owed:
+            for i, value in zip(indices, out):
+                if value is not NOTHING:
+                    self._repay(i)
+        if len(set(indices)) < len(indices):
+            # a repeat inside the batch is the same value (the pipe hands each position
+            # an object of its own): not a read of its own
+            first: dict[Any, Any] = {}
+            for n, (i, value) in enumerate(zip(indices, out)):
+                if value is NOTHING and first.get(i, NOTHING) is not NOTHING:
+                    out[n] = first[i]
+                elif value is not NOTHING:
+                    first.setdefault(i, value)
         contiguous = (bool(indices) and type(indices[0]) is int
                       and type(self.last_index) is int and indices[0] == self.last_index + 1
                       and all(b == a + 1 for a, b in itertools.pairwise(indices)))
