@@ -5,6 +5,7 @@ Why it is built this way: docs/design.md, "The pipe".
 
 from __future__ import annotations
 
+import logging
 import operator
 import os
 import secrets
@@ -27,6 +28,8 @@ from . import order as orders
 from .prefetch import Prefetcher
 from .runtime import ProcessRuntime, Reports, deep_copy_as_new
 from .window import DEFAULT_PREFETCH_BYTES
+
+logger = logging.getLogger("asynccache")
 
 if TYPE_CHECKING:  # the checker sees torch's generic base; torch is optional at run time
     from torch.utils.data import MapDataPipe
@@ -98,12 +101,26 @@ class PipeRuntime(ProcessRuntime):
         p = Prefetcher(reader, pipe.keyspace.key, length, pipe.prefetch * reader.fanout,
                        self.cache.policy.strict, pipe.prefetch_bytes)
         p.follow_order = pipe._follow_order
+        p.on_stop = self._order_not_followed
         p.stale_order = True  # its first read follows the pipe's order
         self.local.prefetcher = p
         with self.lock:
             self._fold_ended()
             self.prefetchers.append((weakref.ref(threading.current_thread()), p))
         return p
+
+    def _order_not_followed(self) -> None:
+        """A prefetcher stopped guessing: say so once per job (the stats board's claim,
+        as failures are logged), with the fix."""
+        if self.cache.policy.log.first("read-ahead", ConfigError("order not followed")):
+            logger.warning(
+                "asynccache: read-ahead stopped guessing: the reads do not come in the order "
+                "given to set_order() (a sampler that draws from a random generator of its "
+                "own?). Reads go on as one batched request per batch, nothing is wrong; to "
+                "read ahead, pass the indices in the order they will be read "
+                "(set_order(indices)) or a sampler with a seeded torch.Generator. Read-ahead "
+                "resumes by itself once reads follow the order again; stats() counts the "
+                "stops in 'readahead_stopped'.")
 
     def _fold_ended(self) -> None:
         """Keep the counters of threads that have ended, close their sockets (locked)."""

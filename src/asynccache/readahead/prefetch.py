@@ -25,7 +25,15 @@ class NOTHING(Sentinel, metaclass=Sentinel):
 
 #: the counters a prefetcher reports in stats()
 COUNTERS = ("hits", "misses", "prefetch_hits", "stalls", "stall_us", "direct_reads",
-            "prefetch_wasted", "stall_timeouts", "interrupted_reads")
+            "prefetch_wasted", "stall_timeouts", "interrupted_reads", "readahead_stopped")
+
+#: Reads in a row that a followed order's plan did not foresee (not the plan's next index)
+#: after which read-ahead stops guessing: a sampler the pipe cannot follow (its own RNG)
+#: is found within a batch or two; a new epoch's first read that finds its epoch (a
+#: skipped or resumed one) is one read, and the plan is followed from there.
+STOP_AFTER = 32
+#: Reads in a row on the plan (in its order) after which stopped read-ahead resumes.
+RESUME_AFTER = 16
 
 def _repeated(plan: Sequence[Any]) -> set[Any]:
     """The indices ``plan`` holds more than once (none in a range)."""
@@ -104,6 +112,17 @@ class Prefetcher:
         #: mode error): the next call repairs the state first (`repair()`).
         self.broken = False
         self.interrupted = 0  # repairs made (the stats' ``interrupted_reads``)
+        #: An order followed whose reads keep landing off the plan (a sampler with an RNG
+        #: of its own): read-ahead stops (``stopped``) after STOP_AFTER such reads in a
+        #: row, and resumes after RESUME_AFTER reads in a row that the plan foresaw.
+        self.off_plan = self.on_plan = 0
+        self.stopped = False
+        self.times_stopped = 0  # the stats' ``readahead_stopped``
+        #: while stopped: where each index is in the plan, so that a read lands the plan
+        #: there and the reads after it can show the plan right again
+        self.where: dict[Any, int] | None = None
+        #: told (once per stop) when read-ahead stops: the pipe warns once per job
+        self.on_stop: Callable[[], None] | None = None
 
     @staticmethod
     def zero_counts() -> dict[str, int]:
@@ -116,7 +135,7 @@ class Prefetcher:
                 "prefetch_hits": self.prefetch_hits + fast, "stalls": self.stalls,
                 "stall_us": self.stall_us, "direct_reads": self.direct_reads,
                 "prefetch_wasted": self.wasted, "stall_timeouts": self.stall_timeouts,
-                "interrupted_reads": self.interrupted}
+                "interrupted_reads": self.interrupted, "readahead_stopped": self.times_stopped}
 
     # -- interrupts -------------------------------------------------------------------------
     def _guarded(self, step: Callable[..., Any], *args: Any) -> Any:
@@ -168,6 +187,7 @@ class Prefetcher:
         """
         self.epoch_len = len(plan)
         self.epoch_start = self.fast_reads + self.slow_reads
+        self.stopped, self.off_plan, self.on_plan = False, 0, 0  # a new order: followed again
         self._set_plan(plan, replan, guessed=True)
 
     def _epoch_turned(self, reads: int) -> bool:
@@ -217,6 +237,7 @@ class Prefetcher:
         self.inflight.clear()
         self.plan, self.plan_len, self.pos, self.requested = plan, len(plan), 0, 0
         self.repeats = _repeated(plan)
+        self.where = None
         self.owed.clear()
         self.again.clear()
         self.replan = replan
@@ -242,7 +263,7 @@ class Prefetcher:
         """Request planned indices, a batch at a time, while the window has room; when the
         plan is used up, plan the order's next epoch (its first batch is read ahead)."""
         window, batch, plan = self.window, self.batch, self.plan
-        if window == 0:
+        if window == 0 or self.stopped:
             return
         if self.pos >= self.plan_len and self.replan is not None and self.plan_len:
             self._next_epoch()
@@ -334,8 +355,43 @@ class Prefetcher:
             return self._next_epoch(index) and self._advance(index)
         return False
 
-    def _after(self, index: Any, on_plan: bool) -> None:
+    def _followed(self, on_plan: int, off_plan: int, last: Any) -> None:
+        """Count reads the followed order's plan foresaw (``on_plan``) and did not: stop
+        read-ahead when it keeps guessing wrong, resume when it guesses right again
+        (``last``: the last index read)."""
+        if not self.epoch_len:
+            return  # no order followed: sequential guesses correct themselves
+        if off_plan:
+            self.on_plan = 0
+            self.off_plan += off_plan
+            if self.stopped:  # land the plan on the read: do the next reads follow it?
+                if self.where is None:
+                    self.where = {index: p for p, index in enumerate(self.plan)}
+                at = self.where.get(last)
+                if at is not None:
+                    self.pos = self.requested = at + 1
+            if not self.stopped and self.off_plan >= STOP_AFTER:
+                self.stopped = True
+                self.times_stopped += 1
+                for ticket in self.inflight.values():  # guesses: not waited for any more
+                    ticket.abandoned = True
+                self.wasted += len(self.ready) + len(self.inflight)
+                self.ready.clear()
+                self.inflight.clear()
+                if self.on_stop is not None:
+                    self.on_stop()
+        elif on_plan:
+            self.off_plan = 0
+            if self.stopped:
+                self.on_plan += on_plan
+                if self.on_plan >= RESUME_AFTER:
+                    self.stopped = False
+                    self.on_plan = 0
+                    self.requested = self.pos
+
+    def _after(self, index: Any, on_plan: bool, in_order: bool) -> None:
         """Plan bookkeeping after an access that was not a plain in-order hit."""
+        self._followed(in_order, not in_order, index)
         self.drop_stale()
         if on_plan:
             if self.requested - self.pos <= self.window - self.batch:
@@ -530,7 +586,8 @@ class Prefetcher:
             self._repay(index)
             self._refresh_order()
             self._count_slow(1)
-            self._after(index, self._advance(index))
+            in_order = self.pos < self.plan_len and self.plan[self.pos] == index
+            self._after(index, self._advance(index), in_order)
             if value is MISSING:  # out of plan order: it may be older than a write since
                 return self._result(self._read_direct([index])[0])
             self.prefetch_hits += 1
@@ -544,9 +601,9 @@ class Prefetcher:
             # sent before the read-ahead _after may start: behind it, this read would
             # wait for all of it (a new epoch's first window: tens of MiB of large values)
             ticket = self._start_direct([index])
-            self._after(index, on_plan)
+            self._after(index, on_plan, in_order)
             return self._result(self._end_direct(ticket)[0])
-        self._after(index, on_plan)
+        self._after(index, on_plan, in_order)
         return self._result(value)
 
     def take_many(self, indices: Sequence[Any]) -> list[Any]:
@@ -577,8 +634,10 @@ class Prefetcher:
                       and all(b == a + 1 for a, b in itertools.pairwise(indices)))
         on_plan = False
         in_order = []
+        foreseen = 0
         for n, index in enumerate(indices):
             in_order.append(self.pos < self.plan_len and self.plan[self.pos] == index)
+            foreseen += in_order[n]  # the plan's next index: foreseen (a skip is not)
             on_plan = self._advance(index) or on_plan
             value = out[n]
             if value is MISSING and not in_order[n]:
@@ -595,6 +654,7 @@ class Prefetcher:
         if todo:  # sent before the read-ahead below: it must not queue behind it
             direct = self._start_direct(list(dict.fromkeys(indices[n] for n in todo)))
         if indices:
+            self._followed(foreseen, len(indices) - foreseen, indices[-1])
             self.drop_stale()
             if on_plan:
                 self._top_up()
