@@ -51,10 +51,10 @@ def test_read_ahead_follows_set_epoch_in_every_worker(job: list[dict[str, Any]])
     for report in job:
         stats = report["stats"]
         assert stats["hits"] >= (EPOCHS - 1) * N // 2, stats
-        # served by read-ahead: there before the worker asked (prefetch_hits also counts
-        # the cold epoch's misses read ahead: at most `misses`). Before workers followed
-        # set_epoch, their copies planned epoch 0's order again: 21%.
-        assert stats["prefetch_hits"] - stats["misses"] >= 0.9 * stats["hits"], stats
+        # served by read-ahead: there before the worker asked (prefetch_hits counts hits
+        # only). Before workers followed set_epoch, their copies planned epoch 0's order
+        # again: 21%.
+        assert stats["prefetch_hits"] >= 0.9 * stats["hits"], stats
     assert ranks.summary(job)["served_by_read_ahead"] >= 0.9
 
 

@@ -21,9 +21,9 @@ from torch.utils.data import (
     BatchSampler,
     DataLoader,
     RandomSampler,
+    Sampler,
     SequentialSampler,
     SubsetRandomSampler,
-    Sampler,
     WeightedRandomSampler,
 )
 

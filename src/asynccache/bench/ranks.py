@@ -8,8 +8,8 @@ rank whose shard holds it); the later epochs are warm. Measured per rank:
 
 * **served by read-ahead**: the share of warm reads whose value was there before the
   worker asked, from the counters summed over every worker of the job:
-  ``(prefetch_hits - misses) / hits``. A lower bound: ``prefetch_hits`` also counts the
-  cold epoch's misses that read-ahead found absent (at most ``misses`` of them);
+  ``prefetch_hits / hits`` (``prefetch_hits`` counts hits only, never a miss read
+  ahead);
 * **warm epoch** time (median over the warm epochs), with ``set_order`` and without
   (each batch one blocking multi-get per worker);
 * **computed in warm epochs**, across ranks (must be 0).
@@ -139,8 +139,7 @@ def summary(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """What the bench reports of one job: read-ahead share, warm epoch time, computations."""
     warm_epochs = [e for r in reports for e in r["epochs"][1:]]
     hits = sum(r["stats"]["hits"] for r in reports)
-    # read-ahead also served the cold epoch's misses (as absent): subtract them all
-    prefetch_hits = sum(r["stats"]["prefetch_hits"] - r["stats"]["misses"] for r in reports)
+    prefetch_hits = sum(r["stats"]["prefetch_hits"] for r in reports)  # hits only
     # an epoch of the job lasts as long as its slowest rank
     epoch_s = [max(r["epochs"][e]["seconds"] for r in reports)
                for e in range(1, len(reports[0]["epochs"]))]

@@ -440,6 +440,8 @@ class AsyncKVCacheMapDataPipe(_Base):
             rt.settle()
         if len(set(indices)) < len(indices):
             values = self._own_objects(indices, values, rt)
+        if orders.worker_info() is not None:  # counted where the loop looks, before it gets them
+            rt.publish_batch(ends or p.epoch_ends())
         return values
 
     def _own_objects(self, indices: list[Any], values: list[Any], rt: PipeRuntime) -> list[Any]:
@@ -486,8 +488,10 @@ class AsyncKVCacheMapDataPipe(_Base):
         """hits, misses, errors, prefetch_hits, stalls, computed, bytes_read, ... (ints).
 
         In the process that built the pipe: the sum over every copy of it — this
-        process's and those of DataLoader workers, as of their last report (at most about
-        a second old; final once they exited). In a worker: that worker's own.
+        process's and those of DataLoader workers, as of their last report (complete once
+        the loop has received a worker's last batch of an epoch when the pipe follows the
+        loader's order; otherwise at most about 50 ms old; final once they exited). In a
+        worker: that worker's own.
 
         Args:
             per_process: ``{pid: counters}`` instead of the sum.

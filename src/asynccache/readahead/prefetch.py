@@ -35,6 +35,11 @@ STOP_AFTER = 32
 #: Reads in a row on the plan (in its order) after which stopped read-ahead resumes.
 RESUME_AFTER = 16
 
+def _served(value: Any) -> bool:
+    """A value read ahead that serves the read: not a miss, not a failure."""
+    return value is not MISSING and type(value) is not Failed
+
+
 def _repeated(plan: Sequence[Any]) -> set[Any]:
     """The indices ``plan`` holds more than once (none in a range)."""
     if isinstance(plan, range):
@@ -131,8 +136,9 @@ class Prefetcher:
     @property
     def counts(self) -> dict[str, int]:
         fast = self.fast_reads
-        return {"hits": self.hits + fast - self.fast_specials, "misses": self.misses,
-                "prefetch_hits": self.prefetch_hits + fast, "stalls": self.stalls,
+        served = fast - self.fast_specials  # the fast path's misses and failures are not
+        return {"hits": self.hits + served, "misses": self.misses,
+                "prefetch_hits": self.prefetch_hits + served, "stalls": self.stalls,
                 "stall_us": self.stall_us, "direct_reads": self.direct_reads,
                 "prefetch_wasted": self.wasted, "stall_timeouts": self.stall_timeouts,
                 "interrupted_reads": self.interrupted, "readahead_stopped": self.times_stopped}
@@ -466,7 +472,7 @@ class Prefetcher:
         ticket = self.inflight.get(index)
         if ticket is None:  # never requested, or delivered by an earlier wait
             value = self.ready.pop(index, NOTHING)
-            if value is not NOTHING:
+            if value is not NOTHING and _served(value):
                 self.prefetch_hits += 1
             return value
         reader = self.reader
@@ -484,7 +490,7 @@ class Prefetcher:
         if value is NOTHING:
             if self.strict and ticket.error is not None:
                 raise ticket.error
-        elif not stalled:
+        elif not stalled and _served(value):
             self.prefetch_hits += 1  # it had arrived: only its parsing was deferred
         return value
 
@@ -590,7 +596,7 @@ class Prefetcher:
             self._after(index, self._advance(index), in_order)
             if value is MISSING:  # out of plan order: it may be older than a write since
                 return self._result(self._read_direct([index])[0])
-            self.prefetch_hits += 1
+            self.prefetch_hits += _served(value)
             return self._result(value)
         self._refresh_order()
         self._count_slow(1)
@@ -642,7 +648,7 @@ class Prefetcher:
             value = out[n]
             if value is MISSING and not in_order[n]:
                 out[n] = NOTHING  # out of plan order: it may be older than a write since
-            elif value is not NOTHING:
+            elif value is not NOTHING and _served(value):
                 self.prefetch_hits += 1
         todo = []
         for n, value in enumerate(out):
