@@ -137,3 +137,34 @@ def test_following_in_the_main_process_never_changes_the_order(redis_server: Any
     for _epoch in range(2):
         assert epoch(loader) == epoch(reference)
     dp.close()
+
+
+class _LogTo:
+    """A worker_init_fn: asynccache's warnings of each worker appended to one file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, worker_id: int) -> None:
+        import logging
+
+        handler = logging.FileHandler(self.path)
+        handler.setLevel(logging.WARNING)
+        logging.getLogger("asynccache").addHandler(handler)
+
+
+def test_memory_store_in_workers_warns_once_per_job(tmp_path: Any, namespace: str) -> None:
+    """memory:// is a dict per process: in DataLoader workers nothing is shared, which
+    a user must hear once (not once per worker, not once per epoch)."""
+    log = tmp_path / "warnings.log"
+    dp = ac.AsyncKVCacheMapDataPipe(Source(N), ac.connect("memory://"), namespace=namespace)
+    try:
+        loader = DataLoader(dp, batch_size=BATCH, num_workers=2, collate_fn=listed,
+                            worker_init_fn=_LogTo(str(log)))
+        for _ in range(2):  # fresh workers each epoch: four worker processes in all
+            assert sorted(epoch(loader)) == list(range(N))
+    finally:
+        dp.close()
+    said = [line for line in log.read_text().splitlines() if "keeps its values in each" in line]
+    assert len(said) == 1, said
+    assert "lmdb://" in said[0] and "redis://" in said[0]

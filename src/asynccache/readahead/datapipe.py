@@ -109,6 +109,17 @@ class PipeRuntime(ProcessRuntime):
             self.prefetchers.append((weakref.ref(threading.current_thread()), p))
         return p
 
+    def warn_process_local(self) -> None:
+        """A store whose values stay in one process, used in a DataLoader worker: say
+        once per job that nothing is shared, and what shares."""
+        if self.cache.policy.log.first("workers", ConfigError("process-local store")):
+            logger.warning(
+                "asynccache: %s keeps its values in each process: the DataLoader workers "
+                "of this pipe share nothing with each other or with the main process, and "
+                "workers that are not persistent start empty every epoch. To share values "
+                "across workers, epochs and jobs use lmdb:///path (one machine, no server) "
+                "or a server (redis://, valkey://, memcached://).", self.client.safe_url)
+
     def _order_not_followed(self) -> None:
         """A prefetcher stopped guessing: say so once per job (the stats board's claim,
         as failures are logged), with the fix."""
@@ -267,6 +278,8 @@ class AsyncKVCacheMapDataPipe(_Base):
                     park_inherited(rt)  # the parent's prefetchers, sockets and locks
                 rt = self._rt = PipeRuntime(self)
                 rt.loop.add_shutdown_hook(self)
+                if self.client.process_local and orders.worker_info() is not None:
+                    rt.warn_process_local()
         return rt
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:

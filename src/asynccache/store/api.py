@@ -232,6 +232,9 @@ class BaseClient(ABC, Generic[StateT]):
     scheme: ClassVar[str]
     max_value_size: int | None = None
     """Largest value the store accepts in one item; ``None`` means "no practical limit"."""
+    #: Values live in this process only (``memory://``): DataLoader workers, other
+    #: processes and machines never see them (the pipe warns when used in a worker).
+    process_local: ClassVar[bool] = False
     expiry_slack: ClassVar[float] = 0.0
     """How much later than asked an expiry may happen (memcached counts whole seconds):
     a process waiting on another's lease waits this much longer before giving up."""

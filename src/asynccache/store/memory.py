@@ -20,6 +20,7 @@ class MemoryClient(SimpleStore[None]):
     """A dict behind the async client interface, with TTLs and an optional size limit."""
 
     scheme = "memory"
+    process_local = True
 
     def __init__(self, *, name: str = "default", max_value_size: int | None = None,
                  **options: object) -> None:
