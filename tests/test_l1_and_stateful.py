@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import RandomSampler
+from torch.utils.data import DataLoader, RandomSampler
 from torchdata.nodes import SamplerWrapper
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -219,3 +219,34 @@ def test_a_stateful_sampler_the_pipe_follows_resumes_mid_epoch_where_it_stopped(
     resumed.load_state_dict(state)
     rest = list(resumed)
     assert len(rest) == 6 and sorted(i for b in seen + rest for i in b) == list(range(64))
+
+
+def _unnamed_worker_node(ds: Recorded, url: str, worker: int, workers: int
+                         ) -> CachedMapper[Any]:
+    shard = list(range(N))[worker::workers]
+    return CachedMapper(SamplerWrapper(_ListSampler(shard)), ds.__getitem__, ac.connect(url),
+                        prefetch=8)  # no namespace=
+
+
+def test_an_unnamed_node_built_in_each_worker_reuses_its_values_every_epoch(
+        redis_server: Any, tmp_path: Path) -> None:
+    """NodeIterable builds each worker's node anew every epoch (fresh workers): a node
+    made without namespace= reads what the same node of the earlier epochs wrote, and
+    another NodeIterable's node never does (issue 38, slice 5)."""
+    log = str(tmp_path / "log")
+    url = redis_server.url
+    ds = Recorded(N, log)
+    iterable = NodeIterable(lambda w, n: _unnamed_worker_node(ds, url, w, n))
+    loader = DataLoader(iterable, batch_size=BATCH, num_workers=2, collate_fn=listed,
+                        multiprocessing_context="fork")
+    for epoch in range(3):
+        got = sorted(v["i"] for batch in loader for v in batch)
+        assert got == list(range(N))
+        if epoch == 0:
+            assert sorted(computed(log)) == list(range(N))
+            os.unlink(log)
+    assert computed(log) == []  # epochs 2 and 3 were read, not computed (was: every item)
+    other = NodeIterable(lambda w, n: _unnamed_worker_node(ds, url, w, n))
+    assert sorted(v["i"] for batch in DataLoader(other, batch_size=BATCH, collate_fn=listed)
+                  for v in batch) == list(range(N))
+    assert sorted(computed(log)) == list(range(N))  # another pipeline: its own values

@@ -24,7 +24,9 @@ import operator
 import secrets
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from ..errors import ConfigError, KeyEncodingError, KeyTooLong
@@ -131,6 +133,38 @@ def lease_key(store_key: bytes) -> bytes:
     return prefix + b"l:" + encoded
 
 
+class _Scope:
+    """Unnamed objects built inside `anonymous_scope()`: the n-th one gets ``<base>-<n>``."""
+
+    def __init__(self, base: str, quiet: bool) -> None:
+        self.base, self.quiet, self.made = base, quiet, 0
+
+    def next(self) -> str:
+        self.made += 1
+        return f"{self.base}-{self.made}"
+
+
+_SCOPE: ContextVar[_Scope | None] = ContextVar("asynccache_anonymous_scope", default=None)
+
+
+@contextmanager
+def anonymous_scope(base: str, quiet: bool = False) -> Iterator[None]:
+    """Inside, an object built without ``namespace=`` gets ``<base>-1``, ``<base>-2``, ...
+    in the order they are built, instead of a namespace of its own.
+
+    For an owner whose copies build objects anew (`asynccache.nodes.NodeIterable` builds
+    each DataLoader worker's node, every epoch): ``base`` is the owner's own unique
+    namespace, which its pickled copies share, so the n-th node every copy builds reads
+    the values of the n-th node the others built (no epoch computes everything again),
+    and no other owner's. ``quiet``: do not announce (the announcement is per process:
+    once per worker per epoch would bury the log)."""
+    token = _SCOPE.set(_Scope(base, quiet))
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+
 def unique_namespace() -> str:
     """A namespace no other object will ever use (see docs/design.md, "Keys")."""
     return ANON_PREFIX + secrets.token_hex(8)
@@ -167,8 +201,14 @@ class Keyspace:
             raise ConfigError(f"max_key_size must be a positive int, got {max_key_size!r}")
         self.named = namespace is not None
         if namespace is None:
-            namespace = unique_namespace()
-            _announce(owner, namespace)
+            scope = _SCOPE.get()
+            if scope is None:
+                namespace = unique_namespace()
+                _announce(owner, namespace)
+            else:
+                namespace = scope.next()
+                if not scope.quiet:
+                    _announce(owner, namespace)
         self.namespace = check_namespace(namespace)
         self.prefix = namespace_prefix(self.namespace)
         self.max_key_size = max_key_size

@@ -22,7 +22,7 @@ from .._fork import park_inherited
 from ..cache.codec import Codec
 from ..cache.core import OnError, check_settings
 from ..cache.expiry import check_ttl
-from ..cache.keys import Keyspace
+from ..cache.keys import Keyspace, anonymous_scope, unique_namespace
 from ..cache.markers import MISSING, NOT_READ, Failed
 from ..errors import ClosedError, ConfigError, MissingDependency
 from ..observe.stats import CORE_COUNTERS
@@ -531,12 +531,18 @@ class NodeIterable(IterableDataset[Any]):
         self.make_node = make_node
         self._loader: Loader[Any] | None = None
         self._state: dict[str, Any] | None = None
+        #: a CachedMapper that ``make_node`` builds without ``namespace=`` gets this plus
+        #: its rank among them: every worker and epoch (copies of this object) then reads
+        #: the same values, and no other pipeline's (see `anonymous_scope`)
+        self._anonymous = unique_namespace()
 
     def _current(self) -> Loader[Any]:
         if self._loader is None:
             info = get_worker_info()
             worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-            self._loader = Loader(self.make_node(worker, workers))
+            with anonymous_scope(self._anonymous, quiet=info is not None):
+                node = self.make_node(worker, workers)
+            self._loader = Loader(node)
             if self._state is not None:
                 self._loader.load_state_dict(self._state)
                 self._state = None
