@@ -99,6 +99,8 @@ def test_smoke_run_writes_tables_json_and_plots(
     assert "cold, no set_order DataLoader epoch vs no cache (lower is better)" in rows
     assert rows["2 ranks x 2 workers: warm reads served by read-ahead"]["ratio"] <= 1.0
     assert "tiered warm epoch vs far alone, +1 ms (lower is better)" in rows
+    assert "shuffle=True, persistent workers: warm reads served by read-ahead" in rows
+    assert set(goals["samplers"]["cases"]) >= {"own RNG (not followable), fresh workers"}
     assert all(row["ours_value"] > 0 and row["peer_value"] > 0 for row in rows.values())
     assert goals["cold"]["computed_per_rep"] == [goals["cold"]["items"]] * len(
         goals["cold"]["computed_per_rep"])  # cold: each item computed once, warm: none

@@ -45,7 +45,7 @@ import asynccache as ac
 
 from ..cli.progress import Progress
 from ..testing import servers
-from . import plots, ranks, tiered
+from . import plots, ranks, tiered, workers
 from ._common import (
     BenchError,
     Case,
@@ -79,6 +79,8 @@ WIRE_BUFFER = 4 * MIB
 BATCH, IN_FLIGHT, PREFETCH = 64, 4, 64
 # the cold-epoch DataLoader
 COLD_ITEMS = (1_024, 512, 64)
+#: items of the samplers' warm epochs (full, quick, smoke)
+SAMPLER_ITEMS = (4_000, 2_048, 256)
 COLD_WORKERS, COLD_BATCH = 2, 32
 COLD_REPS = (3, 2, 1)
 
@@ -195,6 +197,8 @@ def run(
             results["cluster"] = _cluster(s, redis_store, mode, runner, bar)
             bar.describe("goals: cold epochs")
             results["cold"] = _cold(s, redis_store, mode, runner)
+            bar.describe("goals: samplers followed")
+            results["samplers"] = _samplers(s, redis_store, mode)
             bar.describe("goals: ranks of a distributed job")
             results["ranks"] = ranks.run(quick=quick, out_dir=out_dir, progress=False,
                                          session=s)
@@ -206,6 +210,22 @@ def run(
             runner.close()
         results["summary"] = summary_rows(results)
     return results
+
+
+def _samplers(s: Session, store: Store, mode: int) -> dict[str, Any]:
+    """Read-ahead in the loop users write, per sampler kind (`workers.sampler_cases`)."""
+    import warnings
+
+    import asynccache as ac
+
+    n = SAMPLER_ITEMS[mode]
+    namespace = s.namespace("samplers", store.name)
+    with ac.AsyncKVCacheMapDataPipe(workers._Items(n), ac.connect(store.url),
+                                    namespace=namespace, ttl=s.ttl(store)) as fill:
+        fill.__getitems__(list(range(n)))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "This DataLoader will create")
+        return {"items": n, "cases": workers.sampler_cases(store.url, namespace, n)}
 
 
 def _timed(cases: Sequence[Case], s: Session, bar: Progress) -> dict[str, dict[str, Any]]:
@@ -543,6 +563,10 @@ def summary_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append(_row(f"{phase} DataLoader epoch vs no cache (lower is better)", phase,
                          cold[phase], "no cache", cold["no cache"],
                          cold[phase] / cold["no cache"], "s"))
+    for name, case in results.get("samplers", {}).get("cases", {}).items():
+        if "not followable" not in name:  # (the waste of each case: `table()`)
+            rows.append(_row(f"{name}: warm reads served by read-ahead", "set_order",
+                             case["served"], "every warm read", 1.0, case["served"], "share"))
     job = results.get("ranks", {}).get("cases", {})  # absent in results of an older run
     if "set_order" in job:
         share = job["set_order"]["served_by_read_ahead"]
@@ -583,7 +607,19 @@ def table(results: dict[str, Any]) -> str:
         f"{fmt_size(wire['buffer'])} buffer, best of {len(wire['times_s'])}; median "
         f"{wire['median_mb_per_s']:,.0f}).\n\n"
     )
-    return head + markdown_table(["goal", "asynccache", "peer", "peer's", "ratio"], rows)
+    samplers = results.get("samplers")
+    tail = ""
+    if samplers:
+        tail = (f"\n\nRead-ahead in the README's loop (`set_order(loader.batch_sampler)`, no "
+                f"generator given), 2 workers, {samplers['items']:,} items, warm epochs "
+                "(goals: served >= 95%, keys read ahead in vain <= 2% of reads):\n\n"
+                + markdown_table(
+                    ["sampler, workers", "served by read-ahead", "read ahead in vain",
+                     "stops"],
+                    [[name, f"{c['served']:.1%}", f"{c['wasted']:.1%}", c["stopped"]]
+                     for name, c in samplers["cases"].items()]))
+    return head + markdown_table(["goal", "asynccache", "peer", "peer's", "ratio"],
+                                 rows) + tail
 
 
 def _group(goal: str) -> str:
@@ -591,6 +627,8 @@ def _group(goal: str) -> str:
         return "epochs"
     if goal.startswith(("2 ranks", "tiered")):
         return "scale-out"
+    if goal.startswith(tuple(workers.SAMPLERS)):
+        return "read-ahead"
     if goal.startswith(("memcached", "3-node")):
         return goal.split(" ")[0].replace("3-node", "cluster")
     return "large values" if "MB/s" in goal or "loopback" in goal or "p99" in goal \

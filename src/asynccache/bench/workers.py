@@ -20,14 +20,22 @@ torchdata's plain ``Mapper`` computing every item (a ~200 µs ``__getitem__``).
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import (
+    DataLoader,
+    RandomSampler,
+    Sampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 import asynccache as ac
 
@@ -119,6 +127,67 @@ def _dataloader_case(url: str, namespace: str, n: int, workers: int, follow: boo
         dp.close()
     return {"epoch_s": statistics.median(times), "hit_before_ask": statistics.median(rates),
             "epoch_s_all": times}
+
+
+class _OwnRandom(Sampler[int]):
+    """A sampler with a random generator of its own (Python's): not followable."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Any:
+        indices = list(range(self.n))
+        random.shuffle(indices)
+        return iter(indices)
+
+
+#: The loop users write, per sampler torch ships (none seeded), and one that cannot be
+#: followed: what ``DataLoader`` is given besides the pipe.
+SAMPLERS: dict[str, Callable[[int], dict[str, Any]]] = {
+    "shuffle=True": lambda n: {"shuffle": True},
+    "SubsetRandomSampler": lambda n: {"sampler": SubsetRandomSampler(range(0, n, 2))},
+    "WeightedRandomSampler": lambda n: {
+        "sampler": WeightedRandomSampler([1.0 + i % 3 for i in range(n)], n,
+                                         replacement=True)},
+    "own RNG (not followable)": lambda n: {"sampler": _OwnRandom(n)},
+}
+SAMPLER_EPOCHS = 3  # the first warm epoch starts read-ahead; the next two are measured
+
+
+def sampler_cases(url: str, namespace: str, n: int, workers: int = 2) -> dict[str, Any]:
+    """Per sampler kind and fresh or persistent workers, over warm epochs of the README's
+    loop (``dp.set_order(loader.batch_sampler)``, no generator given): the share of reads
+    served by read-ahead and of keys read ahead in vain. The store must hold every item."""
+    out: dict[str, Any] = {}
+    for kind, kwargs in SAMPLERS.items():
+        for persistent in (False, True):
+            dp = ac.AsyncKVCacheMapDataPipe(_Items(n), ac.connect(url), namespace=namespace)
+            try:
+                loader = DataLoader(dp, batch_size=BATCH, num_workers=workers,
+                                    persistent_workers=persistent, collate_fn=_listed,
+                                    multiprocessing_context="fork", **kwargs(n))
+                assert loader.batch_sampler is not None
+                dp.set_order(loader.batch_sampler)
+                read, first = 0, None
+                for epoch in range(SAMPLER_EPOCHS):
+                    read += _epoch(loader)
+                    stats = _settled(dp, read)
+                    if stats["misses"]:
+                        raise BenchError(f"{kind}: {stats['misses']} misses in a warm epoch")
+                    if epoch == 0:
+                        first, first_read = stats, read
+            finally:
+                dp.close()
+            assert first is not None
+            reads = read - first_read
+            out[f"{kind}, {'persistent' if persistent else 'fresh'} workers"] = {
+                "served": (stats["prefetch_hits"] - first["prefetch_hits"]) / reads,
+                "wasted": (stats["prefetch_wasted"] - first["prefetch_wasted"]) / reads,
+                "stopped": stats["readahead_stopped"], "reads": reads}
+    return out
 
 
 def _in_process_cases(url: str, namespace: str, n: int, reps: int) -> dict[str, Any]:
