@@ -237,3 +237,41 @@ def test_read_ahead_resumes_when_the_reads_follow_the_order_again(
     assert after["readahead_stopped"] == 1
     served = after["prefetch_hits"] - stopped["prefetch_hits"]
     assert served >= 0.8 * N, after
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+@pytest.mark.parametrize("persistent", [False, True])
+def test_stateful_dataloader_is_followed_and_resumes(redis_server: Any, namespace: str,
+                                                     persistent: bool) -> None:
+    """torchdata's StatefulDataLoader(shuffle=True), no generator given: followed, and a
+    loader resumed from a mid-epoch state_dict reads the same remaining batches."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    with ac.AsyncKVCacheMapDataPipe(Source(), ac.connect(redis_server.url),
+                                    namespace=namespace) as warm_up:
+        warm_up.__getitems__(list(range(N)))
+
+    def make() -> tuple[Any, StatefulDataLoader]:
+        dp = ac.AsyncKVCacheMapDataPipe(Source(), ac.connect(redis_server.url), prefetch=64,
+                                        namespace=namespace)
+        loader = StatefulDataLoader(dp, batch_size=BATCH, shuffle=True, num_workers=2,
+                                    persistent_workers=persistent, collate_fn=listed)
+        dp.set_order(loader.batch_sampler)
+        return dp, loader
+
+    dp, loader = make()
+    other, resumed = make()
+    try:
+        stats = run_epochs(dp, loader)
+        served = (stats[-1]["prefetch_hits"] - stats[0]["prefetch_hits"]) / ((EPOCHS - 1) * N)
+        assert served >= SERVED, stats[-1]
+        batches = iter(loader)
+        for _ in range(5):
+            next(batches)
+        state = loader.state_dict()
+        rest = [[v["i"] for v in batch] for batch in batches]
+        resumed.load_state_dict(state)
+        assert [[v["i"] for v in batch] for batch in resumed] == rest
+    finally:
+        dp.close()
+        other.close()
