@@ -10,6 +10,7 @@ The other user is ``nobody`` (uid 65534), reached with ``setuid`` in a child: ro
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -310,6 +311,24 @@ def test_a_late_report_of_a_copy_does_not_bring_a_removed_board_back(shared: Pat
     assert child.exitcode == 0
     assert boards() == []
     dp.close()
+
+
+def test_a_board_removed_after_a_copy_kept_its_directory_open_stays_removed(
+        shared: Path) -> None:
+    """A copy that reports with its batches keeps a descriptor of the board's directory;
+    once the owner removed the board, such a report writes nowhere, makes nothing."""
+    from asynccache.observe.board import StatsBoard
+
+    board = StatsBoard(secrets.token_hex(8))
+    board.label("ns")
+    copy = StatsBoard(board.board_id)
+    copy.publish({"hits": 1}, often=True)
+    assert (board.directory / f"{os.getpid()}.json").is_file()
+    board.remove()
+    with contextlib.suppress(OSError):
+        copy.publish({"hits": 2}, often=True)
+    assert not board.directory.exists()
+    assert boards() == []
 
 
 def _read_in_child(dp: ac.AsyncKVCacheMapDataPipe) -> None:

@@ -58,12 +58,13 @@ class Reports:
         weakref.finalize(owner, _remove_if_owner, self.board, _fork.generation)
 
     def publish(self, counters: dict[str, int],
-                latency: dict[str, list[int]] | None = None) -> None:
+                latency: dict[str, list[int]] | None = None, often: bool = False) -> None:
         """Write this process's counters (and request histograms); the owner's only while
-        its board exists (once removed, a late report must not bring it back)."""
+        its board exists (once removed, a late report must not bring it back). ``often``:
+        a copy's report with its batches (see `StatsBoard.publish`)."""
         if self.owner and not self.board.directory.is_dir():
             return
-        self.board.publish(counters)
+        self.board.publish(counters, often=often and not self.owner)
         if latency is not None:
             self.board.publish_latency(latency)
 
@@ -199,7 +200,8 @@ class ProcessRuntime:
             try:
                 self.reports.publish(self._snapshot(), {
                     kind: histogram.to_row()
-                    for kind, histogram in self.cache.latency().items()} if latency else None)
+                    for kind, histogram in self.cache.latency().items()} if latency else None,
+                    often=not latency)
             except OSError:
                 pass  # a full or read-only /dev/shm costs the cross-process view, nothing else
             self.published_at = time.monotonic()
