@@ -211,7 +211,7 @@ class ProcessRuntime:
         first when the batch ends its share of the epoch (``last``), or when the last
         publish is over PUBLISH_EVERY old. So once the training loop has received an
         epoch's last batches, the owner's ``stats()`` counts every read of the epoch, and
-        mid-epoch it lags by PUBLISH_EVERY at most (a publish costs ~0.1 ms: not per
+        mid-epoch it lags by PUBLISH_EVERY at most (a publish costs ~40 µs: not per
         batch)."""
         if last or time.monotonic() - self.published_at > PUBLISH_EVERY:
             self.publish(latency=False)
