@@ -21,13 +21,13 @@ from torch.utils.data import (
     BatchSampler,
     DataLoader,
     RandomSampler,
-    Sampler,
     SequentialSampler,
     SubsetRandomSampler,
     WeightedRandomSampler,
 )
 
 import asynccache as ac
+from asynccache.bench.workers import OwnRandomSampler
 
 N = 512
 BATCH = 16
@@ -166,22 +166,6 @@ def test_a_seeded_generator_is_left_as_it_is(redis_server: Any, namespace: str) 
     assert sampler.generator is generator
 
 
-class OwnRandom(Sampler[int]):
-    """A sampler with a random generator of its own (Python's): no copy of it can know
-    what the main process draws."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __iter__(self) -> Any:
-        indices = list(range(self.n))
-        random.shuffle(indices)
-        return iter(indices)
-
-
 class Bigger(Source):
     def __len__(self) -> int:
         return 4 * N
@@ -199,7 +183,7 @@ def test_an_order_that_cannot_be_followed_stops_the_guessing(
     dp = ac.AsyncKVCacheMapDataPipe(Bigger(), ac.connect(redis_server.url), prefetch=64,
                                     namespace=namespace)
     try:
-        loader = DataLoader(dp, batch_size=batch, sampler=OwnRandom(n), num_workers=workers,
+        loader = DataLoader(dp, batch_size=batch, sampler=OwnRandomSampler(n), num_workers=workers,
                             persistent_workers=persistent, collate_fn=listed)
         dp.set_order(loader.batch_sampler)
         with caplog.at_level(logging.WARNING, logger="asynccache"):

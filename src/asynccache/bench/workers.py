@@ -129,8 +129,9 @@ def _dataloader_case(url: str, namespace: str, n: int, workers: int, follow: boo
             "epoch_s_all": times}
 
 
-class _OwnRandom(Sampler[int]):
-    """A sampler with a random generator of its own (Python's): not followable."""
+class OwnRandomSampler(Sampler[int]):
+    """A sampler with a random generator of its own (Python's): no copy of it draws what
+    the main process draws, so read-ahead cannot follow it (the bench and the tests)."""
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -152,7 +153,7 @@ SAMPLERS: dict[str, Callable[[int], dict[str, Any]]] = {
     "WeightedRandomSampler": lambda n: {
         "sampler": WeightedRandomSampler([1.0 + i % 3 for i in range(n)], n,
                                          replacement=True)},
-    "own RNG (not followable)": lambda n: {"sampler": _OwnRandom(n)},
+    "own RNG (not followable)": lambda n: {"sampler": OwnRandomSampler(n)},
 }
 SAMPLER_EPOCHS = 3  # the first warm epoch starts read-ahead; the next two are measured
 
