@@ -533,9 +533,8 @@ class Writer:
     def probe(self) -> None:
         """The back-off ended: write the record's values again (loop)."""
         self._probe = None
-        if self.cache.writes.unstored_values and not self.cache._closed:
-            self.recovering = self.cache.writes.unstored_values
-            self.start()
+        if not self.cache._closed:
+            self.recover()
 
     def _rewrite_next(self, max_keys: int) -> bool:
         """Queue the next batch of kept values the store lacks, while recovering and no
@@ -576,7 +575,7 @@ class Writer:
         acknowledged lately, which the store now holds (read them again rather than
         compute them), and the blobs the store never took: the caller writes them again
         (`write_later()`), so that a store back from an outage gets them. Any thread;
-        only misses ask."""
+        only misses ask. Counting the reads is the caller's (it knows what they were)."""
         cache = self.cache
         blobs, again, kept = cache.writes.recall(store_keys)
         found: dict[bytes, Any] = {}
@@ -586,10 +585,6 @@ class Writer:
                 found[key] = decode(blob, key)
             except DecodeError:  # bytes this process encoded: cannot happen; be safe
                 again.append(key)
-        if found:  # answered from this process's record: not a miss (misses counted it)
-            counters = cache.counters.shard()
-            counters["recalled"] += len(found)
-            counters["misses"] -= len(found)
         return found, again, kept
 
 

@@ -255,8 +255,7 @@ class AsyncKVCacheMapDataPipe(_Base):
         self.lease = lease
         self.l1_bytes = l1_bytes
         self._mapping = orders.mapping_behind(source)
-        self.order = self._check_order(order)
-        self._order_start = orders.Start.of(self.order)
+        self._take_order(order)
         self._reports = Reports(secrets.token_hex(8), self.namespace)
         self._reports.bind(self)
         self._rt: PipeRuntime | None = None
@@ -330,6 +329,11 @@ class AsyncKVCacheMapDataPipe(_Base):
             raise IndexError(f"index {index} out of range for a dataset of length {n}")
         return i
 
+    def _take_order(self, order: Iterable[Any] | None) -> None:
+        """``order`` checked, its samplers made followable, and as it is now (`Start`)."""
+        self.order = self._check_order(order)
+        self._order_start = orders.Start.of(self.order)
+
     def _check_order(self, order: Iterable[Any] | None) -> Iterable[Any] | None:
         if order is None:
             return None
@@ -381,7 +385,7 @@ class AsyncKVCacheMapDataPipe(_Base):
         if order is None or rt is None:
             return None
 
-        draws = orders.EpochDraws(order, self.__dict__.get("_order_start"))
+        draws = orders.EpochDraws(order, self._order_start)
 
         def starts_with(first: Any) -> Callable[[list[Any]], bool]:
             def fits(items: list[Any]) -> bool:
@@ -492,8 +496,7 @@ class AsyncKVCacheMapDataPipe(_Base):
     def set_order(self, order: Iterable[Any]) -> None:
         """Tell the prefetchers the indices that will be read next (every thread's, at its
         next read); re-iterated when used up."""
-        self.order = self._check_order(order)
-        self._order_start = orders.Start.of(self.order)
+        self._take_order(order)
         self._runtime().order_changed()
 
     # -- lifecycle -------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 __all__ = ["EpochDraws", "Start", "as_list", "mapping_behind", "one_pass", "seed_generators",
@@ -58,22 +58,26 @@ def one_pass(order: Iterable[Any]) -> list[Any]:
     torch = sys.modules.get("torch")
     if torch is None:
         return as_list(order)
-    state = torch.get_rng_state()  # a sampler without a generator draws from it
-    try:
-        return as_list(_detached(order, torch))
-    finally:
-        torch.set_rng_state(state)
+    return _drawn(_detached(order, torch), torch)
 
 
-def _iterate_own(copy_: Any) -> list[Any]:
-    """One epoch of a copy this process keeps (its generator moves on, the user's does
-    not), torch's global random state left as it was."""
-    torch = sys.modules["torch"]
+def _drawn(copy_: Any, torch: Any) -> list[Any]:
+    """One epoch of a copy this process iterates, torch's global random state left as it
+    was (a sampler without a generator draws from it)."""
     state = torch.get_rng_state()
     try:
         return as_list(copy_)
     finally:
         torch.set_rng_state(state)
+
+
+def _chain(order: Any) -> Iterator[Any]:
+    """``order`` and the samplers it wraps (``.sampler``: a batch sampler's), a few deep."""
+    node, seen = order, 0
+    while node is not None and seen < 4:
+        yield node
+        inner = getattr(node, "sampler", None)
+        node, seen = (inner if inner is not node else None), seen + 1
 
 
 def _detached(order: Any, torch: Any) -> Any:
@@ -120,15 +124,13 @@ def seed_generators(order: Any) -> int:
         return 0
     sampler_type = getattr(getattr(torch, "utils", None), "data", None)
     sampler_type = getattr(sampler_type, "Sampler", None)
-    seeded, node, seen = 0, order, 0
-    while node is not None and seen < 4:
+    seeded = 0
+    for node in _chain(order):
         if (sampler_type is not None and isinstance(node, sampler_type)
                 and hasattr(node, "generator") and node.generator is None):
             seed = int(torch.empty((), dtype=torch.int64).random_().item())
             node.generator = torch.Generator().manual_seed(seed)
             seeded += 1
-        inner = getattr(node, "sampler", None)
-        node, seen = (inner if inner is not node else None), seen + 1
     return seeded
 
 
@@ -152,7 +154,9 @@ class Start:
     def of(cls, order: Any) -> Start | None:
         torch = sys.modules.get("torch")
         if (order is None or torch is None or worker_info() is not None
-                or epoch_sampler(order) is not None or not _has_generator(order, torch)):
+                or epoch_sampler(order) is not None
+                or not any(isinstance(getattr(node, "generator", None), torch.Generator)
+                           for node in _chain(order))):
             return None
         return cls(_detached(order, torch))
 
@@ -161,25 +165,11 @@ class Start:
         return _detached(self.copy, sys.modules["torch"])
 
 
-def _has_generator(order: Any, torch: Any) -> bool:
-    node, seen = order, 0
-    while node is not None and seen < 4:
-        if isinstance(getattr(node, "generator", None), torch.Generator):
-            return True
-        inner = getattr(node, "sampler", None)
-        node, seen = (inner if inner is not node else None), seen + 1
-    return False
-
-
 def epoch_sampler(order: Any) -> Any:
     """The sampler inside ``order`` whose permutation is a function of an epoch it is told
     (``set_epoch(e)`` and an integer ``epoch``, as ``DistributedSampler``), if any."""
-    node, seen = order, 0
-    while node is not None and seen < 4:
-        if callable(getattr(node, "set_epoch", None)) and type(getattr(node, "epoch", None)) is int:
-            return node
-        node, seen = getattr(node, "sampler", None), seen + 1
-    return None
+    return next((node for node in _chain(order) if callable(getattr(node, "set_epoch", None))
+                 and type(getattr(node, "epoch", None)) is int), None)
 
 
 class EpochDraws:
@@ -213,7 +203,8 @@ class EpochDraws:
         if sampler is not None and self.draws:
             sampler.set_epoch(sampler.epoch + 1)
         self.draws += 1
-        self.last = one_pass(self.order) if self.own is None else _iterate_own(self.own)
+        self.last = (one_pass(self.order) if self.own is None
+                     else _drawn(self.own, sys.modules["torch"]))
         return self.last
 
     def find(self, fits: Callable[[list[Any]], bool]) -> list[Any]:

@@ -285,14 +285,16 @@ class Prefetcher:
             stop = min(start + batch, limit)
             if stop - start < batch and stop < self.plan_len:
                 break  # wait until a whole batch fits in the window
-            if repeats:
-                indices = [i for i in dict.fromkeys(plan[start:stop]) if not self._owing(i)]
-                for i in plan[start:stop]:  # a repeat inside this request is owed too
-                    if i in repeats:
-                        self.owed[i] = self.owed.get(i, 0) + 1
-                for i in indices:
-                    if i in repeats:
-                        self.owed[i] -= 1
+            if repeats:  # a planned repeat no request covers is owed a read of its own
+                indices = []
+                taken: set[Any] = set()
+                for i in plan[start:stop]:
+                    if i in taken or self._owing(i):
+                        if i in repeats:
+                            self.owed[i] = self.owed.get(i, 0) + 1
+                    else:
+                        taken.add(i)
+                        indices.append(i)
             else:
                 indices = [i for i in plan[start:stop] if i not in ready and i not in inflight]
             self.requested = start = stop

@@ -291,6 +291,7 @@ class ProcessRuntime:
         queue while the store has not acknowledged them (decoded afresh), else read again
         from the store (a read-ahead miss may predate the write). Only misses ask."""
         found, again, kept = self.cache.writer.recall(list(keys))
+        recalled = len(found)  # answered from this process's record
         if kept:  # values the store never took (dropped, failed): it gets them again now
             self.queue_writes(kept)
         if again:
@@ -301,11 +302,12 @@ class ProcessRuntime:
             except (concurrent.futures.TimeoutError, CacheError):
                 values = []
             reread = {key: value for key, value in zip(again, values) if is_value(value)}
-            if reread:  # the store had them after all: hits, not the misses counted
-                counters = self.cache.counters.shard()
-                counters["hits"] += len(reread)
-                counters["misses"] -= len(reread)
-                found.update(reread)
+            found.update(reread)
+        if found:  # counted as misses by the read: each is what it was instead
+            counters = self.cache.counters.shard()
+            counters["recalled"] += recalled
+            counters["hits"] += len(found) - recalled  # the store had them after all
+            counters["misses"] -= len(found)
         return found
 
     def settle(self, force: bool = False) -> None:
