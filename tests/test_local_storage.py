@@ -34,6 +34,7 @@ import asynccache as ac
 from asynccache.nodes import CachedMapper, NodeIterable
 from asynccache.observe import board as board_module
 from asynccache.observe.board import ENV_DIR, META_FILE, StatsBoard, boards_root
+from asynccache.observe.counts_file import CountsFile
 from asynccache.testing import servers
 
 OTHER_UID = 65534  # nobody
@@ -171,10 +172,12 @@ def test_a_board_file_that_does_not_parse_is_ignored_and_counted(shared: Path) -
     dp.__getitems__(list(range(N)))
     board = dp._reports.board
     directory = boards_root() / board.board_id
-    (directory / "4242.json").write_text(json.dumps({"hits": "many"}))
-    (directory / "4243.json").write_text("{not json")
-    (directory / "4244.json").write_text(json.dumps({"hits": 1.5}))
-    (directory / "4245.json").write_text(json.dumps({"hits": 7, "misses": 1}))  # a worker's
+    (directory / "4242.counts").write_bytes(b"\0" * 16 + b'["hits"]')  # names, no values
+    (directory / "4243.counts").write_bytes(b"{not counters")
+    (directory / "4244.counts").write_bytes(b"\1" + b"\0" * 100)  # a write never ended
+    fd = os.open(directory / "4245.counts", os.O_RDWR | os.O_CREAT, 0o600)
+    CountsFile(fd).write({"hits": 7, "misses": 1})  # a worker's
+    os.close(fd)
     (directory / "latency").mkdir(exist_ok=True)
     (directory / "latency" / "4242.json").write_text(json.dumps({"read": ["x"]}))
     stats = dp.stats()
@@ -315,18 +318,18 @@ def test_a_late_report_of_a_copy_does_not_bring_a_removed_board_back(shared: Pat
 
 def test_a_board_removed_after_a_copy_kept_its_directory_open_stays_removed(
         shared: Path) -> None:
-    """A copy that reports with its batches keeps a descriptor of the board's directory;
-    once the owner removed the board, such a report writes nowhere, makes nothing."""
+    """A copy that reports with its batches keeps its counts file open; once the owner
+    removed the board, such a report writes nowhere, makes nothing."""
     from asynccache.observe.board import StatsBoard
 
     board = StatsBoard(secrets.token_hex(8))
     board.label("ns")
     copy = StatsBoard(board.board_id)
-    copy.publish({"hits": 1}, often=True)
-    assert (board.directory / f"{os.getpid()}.json").is_file()
+    copy.publish({"hits": 1})
+    assert (board.directory / f"{os.getpid()}.counts").is_file()
     board.remove()
     with contextlib.suppress(OSError):
-        copy.publish({"hits": 2}, often=True)
+        copy.publish({"hits": 2})
     assert not board.directory.exists()
     assert boards() == []
 

@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import _fork
+from . import counts_file
+from .counts_file import CountsFile
 
-__all__ = ["ENV_DIR", "META_FILE", "REPORT_INTERVAL", "StatsBoard", "boards_root"]
+__all__ = ["COUNTS_SUFFIX", "ENV_DIR", "META_FILE", "REPORT_INTERVAL", "StatsBoard", "boards_root"]
 
 logger = logging.getLogger("asynccache")
 
@@ -34,6 +36,8 @@ _STALE_AFTER = 24 * 3600
 META_FILE = "board.meta"
 #: The shared directory the boards' directory is made in (default /dev/shm, else $TMPDIR).
 ENV_DIR = "ASYNCCACHE_STATS_DIR"
+#: A process's counters: ``<pid>.counts`` (see `asynccache.observe.counts_file`).
+COUNTS_SUFFIX = ".counts"
 #: Files of ours are a few hundred bytes; anything much larger is not one.
 _MAX_FILE = 1 << 20
 #: Board ids: what ``secrets.token_hex`` makes (pipes and nodes), or a test's name.
@@ -46,6 +50,8 @@ _O_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW",
     | getattr(os, "O_CLOEXEC", 0)
 _O_READ = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) \
     | getattr(os, "O_NONBLOCK", 0)
+_O_COUNTS = os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) \
+    | getattr(os, "O_CLOEXEC", 0)
 _O_WRITE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) \
     | getattr(os, "O_CLOEXEC", 0)
 _SAFE_PLATFORM = (hasattr(os, "O_NOFOLLOW") and hasattr(os, "O_DIRECTORY")
@@ -246,16 +252,20 @@ def _remove_tree(parent: int, name: str) -> None:
         os.rmdir(name, dir_fd=parent)
 
 
-def _counters(data: bytes | None) -> dict[str, int] | None:
-    """A counters file's ``{name: int}``, or None when it is not one."""
+def _counts(directory: int, name: str) -> dict[str, int] | None:
+    """The counters in the regular file ``name`` (never through a link), or None."""
     try:
-        found = json.loads(data) if data is not None else None
-    except ValueError:
+        fd = os.open(name, _O_READ, dir_fd=directory)
+    except OSError:
         return None
-    if not isinstance(found, dict) or not all(
-            isinstance(k, str) and type(v) is int for k, v in found.items()):
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return counts_file.read(fd, _MAX_FILE)
+    except OSError:
         return None
-    return found
+    finally:
+        os.close(fd)
 
 
 def _rows(data: bytes | None) -> dict[str, list[int]] | None:
@@ -307,27 +317,32 @@ class StatsBoard:
         self.directory = self.root / board_id
         #: files of this board that did not parse (ignored), seen by this object
         self.errors = 0
-        #: (pid, a descriptor of this board's verified directory) kept by `publish()` with
-        #: ``often``: a worker publishing with every batch checks the root once, not each
-        #: time (~0.1 ms); a board removed since fails the write, as it should
-        self._held: tuple[int, int] | None = None
+        #: (pid, this process's counts file in the board, or None: no board to write to)
+        #: opened through the verified directory by the first `publish()`: a worker that
+        #: publishes with every batch checks the root once, not each time (~0.1 ms)
+        self._held: tuple[int, CountsFile | None] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_held"] = None  # a descriptor of this process
         return state
 
-    def _held_directory(self) -> int | None:
+    def _counts_file(self) -> CountsFile | None:
         held = self._held
         if held is not None and held[0] == os.getpid():
             return held[1]
+        found: CountsFile | None = None
         with self._directory() as fd:
-            if fd is None:
-                return None
-            kept = os.dup(fd)
-        self._held = (os.getpid(), kept)
-        weakref.finalize(self, _close_quietly, kept, os.getpid())
-        return kept
+            if fd is not None:
+                kept = os.open(f"{os.getpid()}{COUNTS_SUFFIX}", _O_COUNTS, 0o600, dir_fd=fd)
+                if stat.S_ISREG(os.fstat(kept).st_mode):
+                    found = CountsFile(kept)
+                    weakref.finalize(self, _close_quietly, kept, os.getpid())
+                else:
+                    os.close(kept)
+        # once the owner removed its board it never makes it again: a copy stops looking
+        self._held = (os.getpid(), found)
+        return found
 
     def _ignored(self, name: str) -> None:
         self.errors += 1
@@ -345,20 +360,14 @@ class StatsBoard:
         with self._directory() as fd:
             return fd is not None
 
-    def publish(self, counters: dict[str, int], often: bool = False) -> None:
-        """Write this process's counters (atomically: readers never see half a file).
-        Only into an existing board: copies never make one (the owner did, in
-        `label()`; once it removed it, a late report must not bring it back). ``often``:
-        through a descriptor of the board's directory kept from the first such call."""
-        data = json.dumps(counters).encode()
-        if often:
-            fd = self._held_directory()
-            if fd is not None:
-                _write(fd, f"{os.getpid()}.json", data)
-            return
-        with self._directory() as fd:
-            if fd is not None:
-                _write(fd, f"{os.getpid()}.json", data)
+    def publish(self, counters: dict[str, int]) -> None:
+        """Write this process's counters (in place, a few µs: readers never see half of
+        them; see `asynccache.observe.counts_file`). Only into an existing board: copies
+        never make one (the owner did, in `label()`; once it removed it, a late report
+        must not bring it back)."""
+        counts = self._counts_file()
+        if counts is not None:
+            counts.write(counters)
 
     def collect(self) -> dict[int, dict[str, int]]:
         """The latest counters of every other process that published, by pid. A file that
@@ -369,13 +378,13 @@ class StatsBoard:
             if fd is None:
                 return found
             for name in _names(fd):
-                stem, _, ext = name.partition(".")
-                if ext != "json" or not stem.isdigit():
+                stem, dot, ext = name.partition(".")
+                if dot + ext != COUNTS_SUFFIX or not stem.isdigit() or int(stem) == own:
                     continue
-                counters = _counters(_read(fd, name))
+                counters = _counts(fd, name)
                 if counters is None:
                     self._ignored(name)
-                elif int(stem) != own:
+                else:
                     found[int(stem)] = counters
         return found
 

@@ -458,7 +458,7 @@ class AsyncKVCacheMapDataPipe(_Base):
         if len(set(indices)) < len(indices):
             values = self._own_objects(indices, values, rt)
         if orders.worker_info() is not None:  # counted where the loop looks, before it gets them
-            rt.publish_batch(ends or p.epoch_ends())
+            rt.publish(latency=False)
         return values
 
     def _own_objects(self, indices: list[Any], values: list[Any], rt: PipeRuntime) -> list[Any]:
@@ -504,10 +504,10 @@ class AsyncKVCacheMapDataPipe(_Base):
         """hits, misses, errors, prefetch_hits, stalls, computed, bytes_read, ... (ints).
 
         In the process that built the pipe: the sum over every copy of it — this
-        process's and those of DataLoader workers, as of their last report (complete once
-        the loop has received a worker's last batch of an epoch when the pipe follows the
-        loader's order; otherwise at most about 50 ms old; final once they exited). In a
-        worker: that worker's own.
+        process's and those of DataLoader workers, as of their last report (a worker
+        reports before it hands over each batch: every read of the batches the loop has
+        received is counted; reads through ``dp[i]`` in a worker, once a second; final
+        once they exited). In a worker: that worker's own.
 
         Args:
             per_process: ``{pid: counters}`` instead of the sum.

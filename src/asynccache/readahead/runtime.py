@@ -14,7 +14,6 @@ import copy
 import os
 import secrets
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
@@ -31,11 +30,7 @@ from ..store.api import BaseClient
 from ..store.loop import LoopThread, get_loop_thread
 from .readers import L1Reader, LoopReader, Reader, SocketReader
 
-__all__ = ["PUBLISH_EVERY", "ProcessRuntime", "Reports", "deep_copy_as_new"]
-
-#: A DataLoader worker publishes its counters with a batch when the last publish is older
-#: than this (and always with the last batch of its share of an epoch).
-PUBLISH_EVERY = 0.05
+__all__ = ["ProcessRuntime", "Reports", "deep_copy_as_new"]
 
 _Owner = TypeVar("_Owner")
 
@@ -58,13 +53,10 @@ class Reports:
         weakref.finalize(owner, _remove_if_owner, self.board, _fork.generation)
 
     def publish(self, counters: dict[str, int],
-                latency: dict[str, list[int]] | None = None, often: bool = False) -> None:
-        """Write this process's counters (and request histograms); the owner's only while
-        its board exists (once removed, a late report must not bring it back). ``often``:
-        a copy's report with its batches (see `StatsBoard.publish`)."""
-        if self.owner and not self.board.directory.is_dir():
-            return
-        self.board.publish(counters, often=often and not self.owner)
+                latency: dict[str, list[int]] | None = None) -> None:
+        """Write this process's counters (and request histograms), only while its board
+        exists (once removed, a late report must not bring it back)."""
+        self.board.publish(counters)
         if latency is not None:
             self.board.publish_latency(latency)
 
@@ -129,12 +121,6 @@ def deep_copy_as_new(owner: _Owner, memo: dict[int, Any]) -> _Owner:
     return clone
 
 
-def _publish_trailing(ref: weakref.ref[ProcessRuntime]) -> None:
-    runtime = ref()
-    if runtime is not None:
-        runtime.publish_trailing()
-
-
 def _report_weakly(ref: weakref.ref[ProcessRuntime]) -> None:
     runtime = ref()
     if runtime is not None:
@@ -165,18 +151,15 @@ class ProcessRuntime:
         #: a batch's writes were queued with visible="next" and not waited for yet
         self.unsettled = False
         self.loop.call_soon(client.retain)
-        #: every copy publishes its counters every second: those in DataLoader workers for
-        #: the owner's stats(), the owner's own for a process outside the job (``asynccache
-        #: stats``); the owner's stats() skips its own file
+        #: every copy publishes its counters every second (a DataLoader worker's pipe also
+        #: with each batch): those in workers for the owner's stats(), the owner's own for
+        #: a process outside the job (``asynccache stats``); stats() skips its own file
         self.reports = reports
         self._snapshot = snapshot
         self._timer: Any = None
         #: one publisher at a time (the loop thread's timer, a worker's batch): both write
-        #: through the same temporary file name
+        #: the same counts file
         self._publishing = threading.Lock()
-        self.published_at = 0.0  # time.monotonic() of the last publish
-        #: a publish is due PUBLISH_EVERY after a batch that did not publish (loop thread)
-        self._trailing = False
         if self.reports is not None and snapshot is not None:
             self.loop.call_soon(self._report_later)
 
@@ -193,38 +176,18 @@ class ProcessRuntime:
 
     def publish(self, latency: bool = True) -> None:
         """Write this process's counters (and, with ``latency``, its request histograms)
-        to the board."""
+        to the board. A DataLoader worker calls it (without latency) before it hands each
+        batch over: once the training loop has received a batch, the owner's ``stats()``
+        counts its reads (~15 µs a batch: see `asynccache.observe.counts_file`)."""
         if self.reports is None or self._snapshot is None:
             return
         with self._publishing:
             try:
                 self.reports.publish(self._snapshot(), {
                     kind: histogram.to_row()
-                    for kind, histogram in self.cache.latency().items()} if latency else None,
-                    often=not latency)
+                    for kind, histogram in self.cache.latency().items()} if latency else None)
             except OSError:
                 pass  # a full or read-only /dev/shm costs the cross-process view, nothing else
-            self.published_at = time.monotonic()
-
-    def publish_batch(self, last: bool) -> None:
-        """A DataLoader worker is about to hand a batch over: its counters go to the board
-        first when the batch ends its share of the epoch (``last``), or when the last
-        publish is over PUBLISH_EVERY old. So once the training loop has received an
-        epoch's last batches, the owner's ``stats()`` counts every read of the epoch, and
-        mid-epoch it lags by PUBLISH_EVERY at most (a publish costs ~40 µs: not per
-        batch)."""
-        if last or time.monotonic() - self.published_at > PUBLISH_EVERY:
-            self.publish(latency=False)
-        elif not self._trailing:  # a batch not published yet: within PUBLISH_EVERY it is
-            self._trailing = True
-            self.loop.call_soon(self._publish_later)
-
-    def _publish_later(self) -> None:  # loop thread
-        self.loop.loop.call_later(PUBLISH_EVERY, _publish_trailing, weakref.ref(self))
-
-    def publish_trailing(self) -> None:  # loop thread
-        self._trailing = False
-        self.publish(latency=False)
 
     def current(self) -> bool:
         """False in a forked child: this runtime (loop, sockets) is the parent's."""
