@@ -69,8 +69,9 @@ def test_integer_likes_are_indices(pipe_url: str, namespace: str) -> None:
             check(value, index)
         with pytest.raises(IndexError):
             dp[np.int64(50)]
-        with pytest.raises(TypeError):
-            dp[1.5]
+        with pytest.raises(ac.KeyEncodingError, match=r"int\(i\)") as raised:
+            dp[1.5]  # as documented in docs/pytorch.md, and a TypeError as a list's
+        assert isinstance(raised.value, TypeError)
 
 
 def test_numpy_sampler_in_a_dataloader(pipe_url: str, namespace: str) -> None:

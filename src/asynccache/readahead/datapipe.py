@@ -21,7 +21,7 @@ from ..cache.core import OnError, check_settings
 from ..cache.expiry import check_ttl
 from ..cache.keys import Keyspace
 from ..cache.markers import MISSING
-from ..errors import ClosedError, ConfigError
+from ..errors import ClosedError, ConfigError, KeyEncodingError
 from ..observe.stats import CORE_COUNTERS
 from ..store.api import BaseClient
 from . import order as orders
@@ -320,8 +320,11 @@ class AsyncKVCacheMapDataPipe(_Base):
         except TypeError:
             if isinstance(index, str | bytes | tuple):
                 return index  # a source indexed by something else: cache under that key
-            raise TypeError(f"indices must be integers (or keys of a keyed source), got "
-                            f"{type(index).__name__}") from None
+            # a TypeError as a list's, and a CacheError: the key encoding has no float
+            raise KeyEncodingError(
+                f"indices must be integers (or keys of a keyed source), got "
+                f"{type(index).__name__}: {index!r}; pass int(i), or a source keyed by "
+                f"str/bytes/tuple keys") from None
         n = len(self.source)
         if i < 0:
             i += n
