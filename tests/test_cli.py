@@ -37,12 +37,15 @@ N = 64
 DATASET = '''
 """A dataset for `asynccache warm` tests, importable by name from its directory."""
 import os
+import time
 
 
 class Items:
     def __init__(self, n=None):
         self.n = int(os.environ.get("CLI_ITEMS", "64")) if n is None else n
         self.fail_at = int(os.environ.get("CLI_FAIL_AT", "-1"))
+        self.seconds = float(os.environ.get("CLI_ITEM_SECONDS", "0"))  # the work per item
+        self.size = int(os.environ.get("CLI_ITEM_BYTES", "0"))
 
     def __len__(self):
         return self.n
@@ -50,7 +53,9 @@ class Items:
     def __getitem__(self, index):
         if index == self.fail_at:
             raise ValueError(f"item {index} is broken")
-        return {"i": index, "payload": bytes([index % 251]) * (100 + index)}
+        if self.seconds:
+            time.sleep(self.seconds)
+        return {"i": index, "payload": bytes([index % 251]) * (self.size or 100 + index)}
 
 
 def make():
@@ -347,6 +352,41 @@ def test_warm_with_two_workers_fills_what_a_pipe_reads(
         stats = dp.stats()
     assert got == [source[i] for i in range(N)]
     assert stats["computed"] == 0 and stats["hits"] == N
+
+
+def test_warm_holds_with_its_defaults_when_a_batch_computes_longer_than_the_timeout(
+        redis_server: Any, namespace: str, dataset_dir: Path) -> None:
+    """A default batch (256 items) of 5 ms items computes for 1.3 s, longer than the
+    default timeout (1 s): the computation runs beside the event loop, never inside a
+    store operation's time, and every item gets exactly one outcome."""
+    items = 1_200  # three batches a worker: a batch computes while the last one is written
+    done = run_cli("warm", redis_server.url, "--dataset", "cli_items:make", "--namespace",
+                   namespace, "--workers", "2", "--json", cwd=dataset_dir,
+                   env={"CLI_ITEMS": str(items), "CLI_ITEM_SECONDS": "0.005",
+                        "CLI_ITEM_BYTES": "20000"})
+    assert done.returncode == 0, done.stderr
+    doc = document(done)
+    assert (doc["computed"], doc["skipped"], doc["failed"]) == (items, 0, 0), doc
+
+
+def test_warm_gives_each_worker_its_share_of_the_cores_for_torch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from asynccache.cli.warm_share import cap_threads
+
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        cap_threads(2)
+        assert torch.get_num_threads() == max(1, cores // 2)
+        torch.set_num_threads(before)
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the user's choice stands
+        cap_threads(2)
+        assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_warm_resumes_skipping_what_is_there(redis_server: Any, namespace: str,

@@ -22,7 +22,7 @@ from ..store.api import BaseClient
 from ..store.connect import connect
 from ..store.tiered import Tiered
 
-__all__ = ["WarmJob", "indices_of", "load_dataset", "run_share"]
+__all__ = ["WarmJob", "cap_threads", "indices_of", "load_dataset", "run_share"]
 
 #: computed, skipped, failed: a worker's slots in the shared progress array
 COMPUTED, SKIPPED, FAILED = 0, 1, 2
@@ -87,6 +87,17 @@ def indices_of(dataset: Any) -> Sequence[Any]:
     return list(mapping.keys()) if mapping is not None else range(len(dataset))
 
 
+def cap_threads(workers: int) -> None:
+    """Give each of ``workers`` processes its share of the cores for torch's own threads
+    (unless the user chose, with ``OMP_NUM_THREADS``): N workers each running torch ops on
+    every core make N times more threads than cores, and each item slower than alone."""
+    torch = sys.modules.get("torch")
+    if torch is None or "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (cores or 1) // workers))
+
+
 def run_share(job: WarmJob, worker: int, progress: Any, messages: Any) -> None:
     """Process entry point: the items ``worker::workers`` of the dataset. Counts go to
     ``progress`` (a shared array), messages to ``messages`` (a queue the parent writes
@@ -94,6 +105,7 @@ def run_share(job: WarmJob, worker: int, progress: Any, messages: Any) -> None:
     share is then counted as failed)."""
     try:
         dataset = load_dataset(job.dataset)
+        cap_threads(job.workers)
         share = indices_of(dataset)[worker::job.workers]
         ok = asyncio.run(_Share(job, dataset, progress, worker * SLOTS, messages).fill(share))
     except KeyboardInterrupt:
@@ -129,6 +141,10 @@ class _Share:
             self.messages.put(message)
 
     async def fill(self, share: Sequence[Any]) -> bool:
+        """Check, compute, write, a batch at a time: a batch is computed (in a thread: the
+        event loop stays free, so no store timeout ever spans a computation) while the
+        previous one is written. Every item gets one outcome, counted here, on the loop's
+        thread: skipped, computed (its write succeeded) or failed."""
         writing: asyncio.Task[None] | None = None
         try:
             for start in range(0, len(share), self.batch):
@@ -137,7 +153,10 @@ class _Share:
                 present = await self.present(keys)
                 todo = [(i, k) for i, k in zip(indices, keys) if k not in present]
                 self.count(SKIPPED, len(keys) - len(todo))
-                entries, items = self.compute(todo)
+                entries, items, errors = await asyncio.to_thread(self.compute, todo)
+                self.count(FAILED, len(errors))
+                for message in errors:
+                    self.complain(message)
                 if writing is not None:
                     await writing
                 writing = asyncio.ensure_future(self.write(entries, items))
@@ -191,23 +210,24 @@ class _Share:
                          if all(there[k] for k in chunk_list))
         return found
 
-    def compute(self, todo: list[tuple[Any, bytes]]) -> tuple[dict[bytes, bytes], int]:
-        """Encoded entries for the missing items; an item that raises is counted failed."""
+    def compute(self, todo: list[tuple[Any, bytes]]
+                ) -> tuple[dict[bytes, bytes], int, list[str]]:
+        """Encoded entries for the missing items, how many items they hold, and a message
+        per item that raised (the caller counts those failed). Runs in a thread."""
         entries: dict[bytes, bytes] = {}
         items = 0
+        errors: list[str] = []
         for index, key in todo:
             try:
                 entries.update(self.cache.writer.encode_entries({key: self.dataset[index]}))
             except EncodeError as exc:
-                self.count(FAILED, 1)
-                self.complain(f"item {index!r} cannot be stored: {exc}")
+                errors.append(f"item {index!r} cannot be stored: {exc}")
                 continue
             except Exception as exc:  # the user's __getitem__: report it, go on
-                self.count(FAILED, 1)
-                self.complain(f"item {index!r} failed: {type(exc).__name__}: {exc}")
+                errors.append(f"item {index!r} failed: {type(exc).__name__}: {exc}")
                 continue
             items += 1
-        return entries, items
+        return entries, items, errors
 
     async def write(self, entries: dict[bytes, bytes], items: int) -> None:
         if not entries:
