@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from typing import Any
 
 import pytest
 
@@ -40,6 +41,28 @@ def test_cluster_url() -> None:
     c = ac.connect("redis+cluster://h1:7000,h2:7001")
     assert isinstance(c, ac.RedisClusterClient)
     assert c.nodes == [("h1", 7000), ("h2", 7001)]
+
+
+@pytest.mark.parametrize(("valkey", "redis"), [
+    ("valkey://alice:pw@h:6380/2?timeout=0.5", "redis://alice:pw@h:6380/2?timeout=0.5"),
+    ("valkeys://h/0", "rediss://h/0"),
+    ("valkey+cluster://h1:7000,h2:7001", "redis+cluster://h1:7000,h2:7001"),
+    ("VALKEYS+CLUSTER://h1:7000", "rediss+cluster://h1:7000"),
+])
+def test_valkey_urls_are_the_redis_ones(valkey: str, redis: str) -> None:
+    a, b = ac.connect(valkey), ac.connect(redis)
+    assert type(a) is type(b) and pickle.dumps(a) == pickle.dumps(b)
+
+
+def test_a_valkey_url_reaches_a_valkey_server(valkey_server: Any, namespace: str) -> None:
+    url = valkey_server.url.replace("redis://", "valkey://", 1)
+    with ac.AsyncKVCacheMapDataPipe(list(range(20)), ac.connect(url),
+                                    namespace=namespace) as dp:
+        assert [dp[i] for i in range(20)] == list(range(20))
+    with ac.AsyncKVCacheMapDataPipe(list(range(20)), ac.connect(valkey_server.url),
+                                    namespace=namespace) as again:
+        assert again.__getitems__(list(range(20))) == list(range(20))
+        assert again.stats()["hits"] == 20  # the same server, the same keys
 
 
 def test_memcached_pool_url_and_item_size() -> None:

@@ -23,8 +23,12 @@ __all__ = ["connect"]
 ACCEPTED = (
     "redis://host:port/db, rediss://host:port/db, unix:///path/to/redis.sock, "
     "redis+cluster://host:port,host:port, rediss+cluster://host:port,host:port, "
-    "memcached://host:port[,host:port], memory://, lmdb:///path/to/dir"
+    "memcached://host:port[,host:port], memory://, lmdb:///path/to/dir "
+    "(valkey://, valkeys://, valkey+cluster://, valkeys+cluster:// as the redis ones)"
 )
+#: Valkey speaks Redis's protocol: its URLs name the same clients
+_VALKEY = {"valkey": "redis", "valkeys": "rediss", "valkey+cluster": "redis+cluster",
+           "valkeys+cluster": "rediss+cluster"}
 _FLOAT_OPTIONS = {"timeout", "connect_timeout"}
 _INT_OPTIONS = {"max_batch", "item_size", "db"}
 _BOOL_OPTIONS = {"tls", "ssl_check_hostname"}
@@ -144,6 +148,7 @@ def connect(url: str, **options: Any) -> BaseClient[Any]:
     unix://[user:password@]/path/to/redis.sock[?db=N&option=value]
     redis+cluster://[user:password@]host:port[,host:port...]
     rediss+cluster://...                                           (TLS to every node)
+    valkey://, valkeys://, valkey+cluster://, valkeys+cluster://   (the same as redis)
     memcached://host[:port][,host[:port]...][?option=value]        (port 11211)
     memory://[name]
     lmdb:///path/to/dir[?map_size=64GiB&option=value]              (one machine, no server)
@@ -180,6 +185,7 @@ def _connect(url: str, options: dict[str, Any]) -> BaseClient[Any]:
     factory = registry.lookup(scheme)
     if factory is not None:
         return _from_factory(scheme, factory, url, options)
+    scheme = _VALKEY.get(scheme, scheme)
     if scheme == "lmdb":
         from .lmdb.client import LmdbClient  # imports the lmdb package: only when asked
 

@@ -30,6 +30,7 @@ logger = logging.getLogger("asynccache")
 
 ENTRY_POINT_GROUP = "asynccache.stores"
 BUILTIN_SCHEMES = frozenset({"redis", "rediss", "unix", "redis+cluster", "rediss+cluster",
+                             "valkey", "valkeys", "valkey+cluster", "valkeys+cluster",
                              "memcached", "memory", "lmdb"})
 Factory = Callable[..., Any]
 
