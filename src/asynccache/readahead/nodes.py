@@ -15,8 +15,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, TypeVar
 
-from torch.utils.data import IterableDataset, get_worker_info
-
 from .. import _fork
 from .._fork import park_inherited
 from ..cache.codec import Codec
@@ -32,11 +30,14 @@ from .runtime import ProcessRuntime, Reports, deep_copy_as_new
 from .window import DEFAULT_PREFETCH_BYTES, WINDOW_GROWTH, WindowSizer
 
 try:
+    from torch.utils.data import IterableDataset, get_worker_info
     from torchdata.nodes import BaseNode, Loader
-except ImportError as exc:  # pragma: no cover - exercised only where torchdata is absent
+except ImportError as exc:  # exercised by .ci/wheel-smoke, in a venv without torch
     raise MissingDependency(
-        "asynccache.nodes needs torchdata >= 0.10 (torchdata.nodes): "
-        "pip install 'asynccache[torchdata]'"
+        f"asynccache.nodes needs torch and torchdata >= 0.10 (torchdata.nodes), and "
+        f"{exc.name or 'one of them'} is missing: install torch first (the build your "
+        f"machine wants, see the README's Installing), then pip install "
+        f"'asynccache[torchdata]'"
     ) from exc
 
 __all__ = ["CachedMapper", "NodeIterable"]
