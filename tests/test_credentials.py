@@ -96,6 +96,7 @@ def test_pickles_and_reprs_carry_no_password(password_redis: servers.RedisServer
     try:
         assert dp[0] == ("c", 0)
         assert not leaked(pickle.dumps(dp)) and not leaked(repr(dp))
+        assert str(dp) == repr(dp) and "namespace='cred-pickle'" in str(dp)  # print(dp)
     finally:
         dp.close()
     cache = ac.AsyncKVCache(client, namespace="cred-pickle")

@@ -575,6 +575,9 @@ class AsyncKVCacheMapDataPipe(_Base):
         return (f"AsyncKVCacheMapDataPipe({type(self.source).__name__}, {self.client!r}, "
                 f"prefetch={self.prefetch}, namespace={self.namespace!r})")
 
+    # torch's datapipes print only their class name: print(dp) shows what repr() does
+    __str__ = __repr__
+
 
 def _register_functional_form() -> None:
     """``MapDataPipe.async_kv_cache(client, ...)``, once per process (reload-safe)."""
