@@ -144,3 +144,29 @@ def test_readme_examples_write_under_a_temp_or_home_directory() -> None:
         assert "/scratch" not in text, page
         assert 'ac.connect("lmdb:///' not in text, page  # no fixed directory at the root
     assert "Path.home()" in (root / "docs" / "stores.md").read_text()
+
+
+async def _write_error(url: str, value: bytes) -> ac.StoreTimeout:
+    async with ac.AsyncKVCache(ac.connect(url, timeout=1), namespace="timeout-hint",
+                               on_error="raise") as cache:
+        with pytest.raises(ac.StoreTimeout) as info:
+            await cache.set("k", value)
+    return info.value
+
+
+def test_a_write_timeout_blames_the_size_only_of_a_large_value(
+        redis_server: servers.RedisServer) -> None:
+    """A frozen store: a 77-byte value is not "too large for the link". A link of 200 kB/s:
+    a 1 MiB value alone outlasts timeout=1s, and the message says so (with its size)."""
+    from asynccache.testing.proxy import FaultProxy, url_through
+
+    with FaultProxy(redis_server.host, redis_server.port) as proxy:
+        url = url_through(proxy, redis_server.url)
+        proxy.set_blackhole(True)
+        small = str(asyncio.run(_write_error(url, b"x" * 77)))
+        assert "did not answer within 1s" in small and "raise `timeout=`" in small
+        assert "MiB" not in small and "KiB" not in small and "link" not in small
+        proxy.set_blackhole(False)
+        proxy.set_trickle(20_000, 0.1, direction="up")
+        large = str(asyncio.run(_write_error(url, b"x" * (1 << 20))))
+        assert "one value of 1.0 MiB" in large and "raise timeout=" in large

@@ -81,6 +81,9 @@ ACKED_KEEP_SECONDS = 30.0
 #: read sent before the write: the store lost the value (restarted, evicted, flushed), so
 #: the recalled value is written again.
 REWRITE_AFTER = 2.0
+#: A lone value this large that timed out may be too large for the link (the error says
+#: so); a smaller one timing out means a slow or frozen store.
+LARGE_ALONE = 256 * 1024
 
 
 class Batch(NamedTuple):
@@ -423,12 +426,14 @@ class Writer:
         for node in result.answered:
             policy.succeeded(node)
         for node, exc in result.failures.items():
-            if isinstance(exc, StoreTimeout) and len(part) == 1:
-                size = len(next(iter(part.values())))
-                exc = StoreTimeout(
-                    f"{exc} — a single {size / 2**20:.1f} MiB value did not fit in "
-                    f"timeout={cache.client.timeout:g}s: raise timeout= in connect() (this "
-                    "value needs more than that at this link's speed) or it is never cached")
+            size = len(next(iter(part.values()))) if len(part) == 1 else 0
+            if isinstance(exc, StoreTimeout) and size >= LARGE_ALONE:
+                # a value that alone may outlast the timeout on a slow link; a small one
+                # timing out says the store is slow or frozen (the message already does)
+                exc = result.failures[node] = StoreTimeout(  # logged, and raised
+                    f"{exc} — this request was one value of {_size(size)}: at this link's "
+                    f"speed it may need more than timeout={cache.client.timeout:g}s; raise "
+                    "timeout= in connect(), or it is never cached")
             policy.failed(node, "set", exc)
         for _key, exc in result.rejected.items():
             policy.failed(NodeName(cache.client.safe_url), "set", exc)
@@ -593,6 +598,10 @@ def _probe_weakly(ref: weakref.ref[Writer]) -> None:
     writer = ref()
     if writer is not None:
         writer.probe()
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 
 
 def _requests(entries: Mapping[bytes, bytes], max_keys: int) -> Iterator[dict[bytes, bytes]]:
