@@ -184,6 +184,25 @@ def test_ping_reports_round_trips_versions_and_item_limit(
         assert node["item_size"] >= doc["max_value_size"]
 
 
+@pytest.mark.parametrize(("argv", "code"), [
+    (["ping", "memory://closed-pipe"], 141),
+    (["stats", "memory://closed-pipe", "--namespace", "x"], 141),
+    (["--help"], 0),  # argparse ignores a failed write of its help, and exits 0
+])
+def test_output_into_a_closed_pipe_ends_quietly(argv: list[str], code: int) -> None:
+    """``asynccache stats ... | head -1``: the reader goes away before the command writes;
+    the command ends with the shell's code for SIGPIPE and no traceback."""
+    environ = {**os.environ, "PYTHONPATH": str(Path(ac.__file__).parent.parent)}
+    proc = subprocess.Popen([sys.executable, "-m", "asynccache", *argv], env=environ,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # long before the interpreter has imported anything
+    with proc.stderr:
+        err = proc.stderr.read().decode()
+    assert proc.wait(RUN_TIMEOUT) == code, err
+    assert "Traceback" not in err and "BrokenPipe" not in err and "Exception" not in err, err
+
+
 def test_ping_of_a_dead_store_exits_1_naming_the_url_without_password() -> None:
     port = servers.free_port()
     done = run_cli("ping", f"redis://reader:hunter2secret@127.0.0.1:{port}/0", "--json",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -44,6 +45,7 @@ EXTRA_FOR_COMMAND = {"demo": "demo", "bench": "bench"}
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130  # the shell's code for SIGINT
+EXIT_BROKEN_PIPE = 141  # the shell's code for SIGPIPE: the reader of stdout went away
 
 
 def _chosen_command(argv: Sequence[str]) -> str | None:
@@ -107,7 +109,24 @@ def _missing(command: str, exc: ModuleNotFoundError) -> Exception:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Run one command; its exit code. Output into a pipe whose reader has gone
+    (``asynccache stats ... | head -1``) ends the command quietly, as other tools do."""
+    try:
+        try:
+            code = _main(list(sys.argv[1:] if argv is None else argv))
+        finally:  # here, not at exit (nor after argparse's --help): a closed pipe is then
+            sys.stdout.flush()  # one this handler sees
+    except BrokenPipeError:
+        # nothing more can reach the reader, and the interpreter's own flush at exit must
+        # not print a traceback either: what is left goes nowhere
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
+    return code
+
+
+def _main(argv: list[str]) -> int:
     try:
         args = build_parser(argv).parse_args(argv)
         module = _command_module(args.command)
