@@ -23,7 +23,7 @@ from ..cache.codec import Codec
 from ..cache.core import AsyncKVCache, OnError
 from ..cache.keys import Keyspace
 from ..cache.markers import is_value
-from ..errors import CacheError, StoreError
+from ..errors import CacheError, StoreError, StoreTimeout
 from ..observe.board import REPORT_INTERVAL, StatsBoard
 from ..observe.histogram import Latency, merge
 from ..store.api import BaseClient
@@ -382,7 +382,14 @@ class ProcessRuntime:
         try:
             self.loop.call(self._finish(close, readers or []), timeout)
         except (TimeoutError, StoreError) as exc:
-            self.cache.count("writes_dropped", len(self.cache.writes))
+            left = len(self.cache.writes)
+            self.cache.count("writes_dropped", left)
+            if isinstance(exc, TimeoutError):  # says nothing by itself: say what happened
+                exc = StoreTimeout(
+                    f"{left:,} queued writes were not all in the store after the "
+                    f"{'close' if close else 'flush'}'s timeout={timeout:g}s; those left are "
+                    f"dropped (whoever misses them computes them again): on a slow link, "
+                    f"pass a larger timeout= to close() or flush()")
             self.cache.policy.log.report("flush", exc, self.client.safe_url)
 
     async def _finish(self, close: bool, readers: list[Reader]) -> None:
