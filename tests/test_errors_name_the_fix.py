@@ -170,3 +170,37 @@ def test_a_write_timeout_blames_the_size_only_of_a_large_value(
         proxy.set_trickle(20_000, 0.1, direction="up")
         large = str(asyncio.run(_write_error(url, b"x" * (1 << 20))))
         assert "one value of 1.0 MiB" in large and "raise timeout=" in large
+
+
+SHADOWED = '''
+import importlib.machinery, sys
+import asynccache as ac
+
+class OnlyTheDirectory:  # as if the lmdb package were not installed
+    def find_spec(self, name, path=None, target=None):
+        if name == "lmdb":
+            return importlib.machinery.PathFinder.find_spec(name, ["."])
+        return None
+
+sys.meta_path.insert(0, OnlyTheDirectory())
+for _ in range(2):  # the same answer the second time
+    try:
+        ac.AsyncKVCacheMapDataPipe([1], ac.connect("lmdb:///tmp/x"), namespace="n")[0]
+    except ac.MissingDependency as exc:
+        print(exc)
+'''
+
+
+def test_a_directory_named_lmdb_is_not_taken_for_the_package(tmp_path: Path) -> None:
+    """Before: AttributeError (module 'lmdb' has no attribute 'open') when a directory
+    named lmdb sits in the current directory and the package is not installed."""
+    import subprocess
+    import sys
+
+    (tmp_path / "lmdb").mkdir()
+    done = subprocess.run([sys.executable, "-c", SHADOWED], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 2 and lines[0] == lines[1], lines
+    assert str(tmp_path / "lmdb") in lines[0] and "pip install 'asynccache[lmdb]'" in lines[0]

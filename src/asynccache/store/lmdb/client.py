@@ -20,7 +20,6 @@ from ...errors import (
     ConfigError,
     InvalidURL,
     KeyTooLong,
-    MissingDependency,
     StoreError,
     StoreRejected,
     StoreUnavailable,
@@ -29,12 +28,7 @@ from ..api import AnsweredAtSend, ConsumerReads, NodeName, WriteResult
 from ..provider import Provider
 from .damage import EnvironmentDamaged
 from .environment import Settings, session, using, writer
-
-try:
-    import lmdb
-except ImportError as exc:  # pragma: no cover - the extra is installed in CI
-    raise MissingDependency(
-        "lmdb:// needs the lmdb package: pip install 'asynccache[lmdb]'") from exc
+from .package import lmdb
 
 __all__ = ["HEADER", "EnvironmentDamaged", "LmdbClient", "pack_value", "unpack_value"]
 

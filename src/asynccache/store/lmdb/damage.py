@@ -10,13 +10,8 @@ import struct
 import time
 from typing import Any
 
-from ...errors import CacheError, MissingDependency, StoreUnavailable
-
-try:
-    import lmdb
-except ImportError as exc:  # pragma: no cover - the extra is installed in CI
-    raise MissingDependency(
-        "lmdb:// needs the lmdb package: pip install 'asynccache[lmdb]'") from exc
+from ...errors import CacheError, StoreUnavailable
+from .package import lmdb
 
 __all__ = ["DAMAGE", "Env", "EnvironmentDamaged", "damaged", "file_problem"]
 

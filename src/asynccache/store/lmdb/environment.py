@@ -13,14 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ... import _fork
-from ...errors import MissingDependency, StoreUnavailable
+from ...errors import StoreUnavailable
 from .damage import DAMAGE, Env, EnvironmentDamaged, damaged, file_problem
-
-try:
-    import lmdb
-except ImportError as exc:  # pragma: no cover - the extra is installed in CI
-    raise MissingDependency(
-        "lmdb:// needs the lmdb package: pip install 'asynccache[lmdb]'") from exc
+from .package import lmdb
 
 __all__ = ["FORK_WAIT", "Settings", "in_use", "session", "using", "writer"]
 
