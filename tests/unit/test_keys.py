@@ -124,3 +124,4 @@ def test_an_unnamed_keyspace_says_once_what_it_means(caplog: pytest.LogCaptureFi
         keys.Keyspace("named")
     said = [r.getMessage() for r in caplog.records if "namespace=" in r.getMessage()]
     assert len(said) == 1 and "a pipe" in said[0] and "versioned" in said[0]
+    assert "DDP ranks" in said[0] and "resumed in a new process" in said[0]

@@ -179,8 +179,9 @@ def _announce(kind: str, namespace: str) -> None:
     logger.warning(
         "asynccache: %s built without namespace=: its values are cached under %r, for it "
         "and its copies (DataLoader workers) only, and expire after %g h; no other run or "
-        "job will reuse them. Pass namespace='<dataset>-v1' (versioned: bump it when the "
-        "data or its transform changes) to share them across runs and jobs.",
+        "job will reuse them: not the other DDP ranks, not this run resumed in a new "
+        "process. Pass namespace='<dataset>-v1' (versioned: bump it when the data or its "
+        "transform changes) to share them across ranks, runs and jobs.",
         kind, namespace, ANON_TTL / 3600)
 
 
