@@ -12,6 +12,7 @@ import gc
 import importlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -37,6 +38,7 @@ N = 64
 DATASET = '''
 """A dataset for `asynccache warm` tests, importable by name from its directory."""
 import os
+import secrets
 import time
 
 
@@ -350,6 +352,66 @@ def test_flush_asks_first_and_a_no_deletes_nothing(redis_server: Any, namespace:
     assert accepted.returncode == 0, accepted.stderr
     assert "deleted 10 keys" in accepted.stdout
     assert asyncio.run(keys_under(url, prefix)) == set()
+
+
+# -- namespaces, flush --unnamed ----------------------------------------------------------------
+async def _fill_namespaces(url: str, names: list[str]) -> None:
+    for name in names:
+        async with ac.AsyncKVCache(ac.connect(url), namespace=name) as cache:
+            await cache.set_many({f"k{i}": b"v" * 100 for i in range(5)})
+
+
+@pytest.mark.parametrize("backend", ["redis", "memcached-pool", "cluster"])
+def test_namespaces_lists_each_with_its_keys_and_unnamed_ones_with_their_age(
+        backend: str, request: pytest.FixtureRequest, namespace: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    url = url_for(backend, request)
+    stamp = int(time.time()) - 7_200  # made two hours ago
+    old = f"anon-{stamp:08x}-{secrets.token_hex(4)}"
+    older_release = "anon-" + secrets.token_hex(8)  # no time in its name
+    named = f"{namespace}-named"
+    asyncio.run(_fill_namespaces(url, [old, older_release, named]))
+    code, doc = cli(capsys, "namespaces", url, "--json")
+    assert code == 0
+    rows = {row["namespace"]: row for row in doc["namespaces"]}
+    assert rows[named]["keys"] == 5 and rows[named]["values"] == 5
+    assert rows[named]["bytes"] >= 500 and not rows[named]["unnamed"]
+    assert rows[named]["age_seconds"] is None
+    assert rows[old]["unnamed"] and 7_100 < rows[old]["age_seconds"] < 7_300 + RUN_TIMEOUT
+    assert rows[old]["made"].startswith(time.strftime("%Y-", time.gmtime(stamp)))
+    assert rows[older_release]["unnamed"] and rows[older_release]["age_seconds"] is None
+    text = run_cli("namespaces", url).stdout
+    assert f"{old}" in text and "made 2.0 h ago" in text and "age unknown" in text
+
+
+def test_flush_unnamed_deletes_only_old_unnamed_namespaces_nobody_here_has_open(
+        redis_server: Any, namespace: str, capsys: pytest.CaptureFixture[str]) -> None:
+    url = redis_server.url
+    two_hours_ago = int(time.time()) - 7_200
+    old, in_use = (f"anon-{two_hours_ago:08x}-{secrets.token_hex(4)}" for _ in range(2))
+    fresh = f"anon-{int(time.time()):08x}-{secrets.token_hex(4)}"
+    older_release, named = "anon-" + secrets.token_hex(8), f"{namespace}-named"
+    asyncio.run(_fill_namespaces(url, [old, in_use, fresh, older_release, named]))
+    # a pipe of this process reads in_use: it is open here, and kept
+    with ac.AsyncKVCacheMapDataPipe(list(range(5)), ac.connect(url), namespace=in_use) as dp:
+        code, dry = cli(capsys, "flush", url, "--unnamed", "--older-than", "1h",
+                        "--dry-run", "--json")
+        assert code == 0 and old in dry["namespaces"] and in_use not in dry["namespaces"]
+        assert in_use in dry["kept_open_here"] and dry["deleted"] == 0
+        declined = run_cli("flush", url, "--unnamed", "--older-than", "1h", stdin="n\n")
+        assert declined.returncode == 1 and "unnamed namespaces made over 60 min ago" \
+            in declined.stderr
+        assert asyncio.run(keys_under(url, namespace_prefix(old)))  # a no deletes nothing
+        code, done = cli(capsys, "flush", url, "--unnamed", "--older-than", "1h", "--yes",
+                         "--json")
+        assert code == 0 and done["deleted"] >= 5 and old in done["namespaces"]
+        assert dp[3] == 3
+    assert asyncio.run(keys_under(url, namespace_prefix(old))) == set()
+    for kept in (in_use, fresh, older_release, named):
+        assert len(asyncio.run(keys_under(url, namespace_prefix(kept)))) >= 5, kept
+    assert run_cli("flush", url, "--unnamed").returncode == 2  # an age is required
+    assert run_cli("flush", url, "--older-than", "1h").returncode == 2
+    assert run_cli("flush", url, "--unnamed", "--older-than", "soon").returncode == 2
 
 
 # -- warm -----------------------------------------------------------------------------------

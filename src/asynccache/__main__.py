@@ -33,6 +33,8 @@ COMMANDS["ping"] = ("asynccache.cli.ping", "round-trip time, server versions and
                     "limit of a store")
 COMMANDS["stats"] = ("asynccache.cli.stats", "keys and bytes of a namespace in a store, and "
                      "its hit rate in the processes of this machine")
+COMMANDS["namespaces"] = ("asynccache.cli.namespaces", "the namespaces a store holds: keys, "
+                          "bytes, unnamed ones with their age")
 COMMANDS["flush"] = ("asynccache.cli.flush", "delete one namespace's keys (values, chunks, "
                      "leases) from a store")
 COMMANDS["warm"] = ("asynccache.cli.warm", "fill a store from a map-style dataset, in "

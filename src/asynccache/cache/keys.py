@@ -21,8 +21,10 @@ import enum
 import hashlib
 import logging
 import operator
+import re
 import secrets
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -45,6 +47,9 @@ __all__ = [
     "lease_key",
     "namespace_prefix",
     "type_name",
+    "unique_namespace",
+    "unnamed",
+    "unnamed_since",
 ]
 
 MAX_NAMESPACE_BYTES = 200
@@ -166,8 +171,27 @@ def anonymous_scope(base: str, quiet: bool = False) -> Iterator[None]:
 
 
 def unique_namespace() -> str:
-    """A namespace no other object will ever use (see docs/design.md, "Keys")."""
-    return ANON_PREFIX + secrets.token_hex(8)
+    """A namespace no other object will ever use (see docs/design.md, "Keys"):
+    ``anon-`` + the time it was made (Unix seconds, 8 hex digits) + ``-`` + 8 random hex
+    digits. The time lets ``asynccache namespaces`` say how old it is, and ``asynccache
+    flush --unnamed --older-than`` remove those nobody can be using any more."""
+    return f"{ANON_PREFIX}{int(time.time()) & 0xFFFFFFFF:08x}-{secrets.token_hex(4)}"
+
+
+_UNNAMED = re.compile(r"anon-([0-9a-f]{8})-[0-9a-f]{8}(?:-\d+)?")
+
+
+def unnamed(namespace: str) -> bool:
+    """Whether ``namespace`` is one an object drew without ``namespace=`` (this release's
+    form or an older one's: ``anon-`` + 16 hex digits)."""
+    return namespace.startswith(ANON_PREFIX)
+
+
+def unnamed_since(namespace: str) -> float | None:
+    """When an unnamed namespace was made (Unix time), read from its name; None for a
+    named one, or an unnamed one of an older release (its name holds no time)."""
+    found = _UNNAMED.fullmatch(namespace)
+    return float(int(found.group(1), 16)) if found else None
 
 
 def _announce(kind: str, namespace: str) -> None:

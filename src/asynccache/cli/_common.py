@@ -28,6 +28,7 @@ __all__ = [
     "add_common_options",
     "add_near_option",
     "client_for",
+    "duration",
     "emit",
     "failed",
     "guarded",
@@ -84,6 +85,24 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{value:g} is not above 0")
+    return value
+
+
+_UNITS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
+
+
+def duration(text: str) -> float:
+    """An argparse type: an age or a span, ``90s``, ``30m``, ``6h``, ``2d`` or seconds."""
+    number = text.strip().lower()
+    unit = next((u for u in sorted(_UNITS, key=len, reverse=True) if number.endswith(u)), "")
+    try:
+        value = float(number[:len(number) - len(unit)]) * _UNITS.get(unit, 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration: write e.g. 90m, 6h, 2d or a number of seconds"
+        ) from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not above 0")
     return value
 
 
