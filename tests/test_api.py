@@ -65,3 +65,15 @@ def test_import_without_torch() -> None:
                             timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_ttl_is_typed_as_what_it_takes() -> None:
+    """``ttl`` takes seconds or a ``datetime.timedelta`` everywhere; the signatures (and so
+    the reference) say so, not ``Any``."""
+    from asynccache.nodes import CachedMapper
+
+    for fn in (ac.AsyncKVCacheMapDataPipe, CachedMapper, ac.AsyncKVCache,
+               ac.AsyncKVCache.set_many, ac.AsyncKVCache.set, ac.AsyncKVCache.get_or_compute,
+               ac.AsyncKVCache.cached, ac.AsyncKVCache.cached_many):
+        annotation = str(inspect.signature(fn).parameters["ttl"].annotation)
+        assert "timedelta" in annotation and "float" in annotation, (fn, annotation)

@@ -14,6 +14,7 @@ import collections
 import functools
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
 from ..errors import CacheError, ClosedError, ConfigError, StoreError
@@ -95,7 +96,7 @@ class AsyncKVCache:
         self,
         client: BaseClient[Any],
         namespace: str | Keyspace | None = None,
-        ttl: Any = None,
+        ttl: float | timedelta | None = None,
         codec: Codec | None = None,
         on_error: OnError = "fallback",
         *,
@@ -203,7 +204,8 @@ class AsyncKVCache:
         return default if value is MISSING else value
 
     # -- writes -----------------------------------------------------------------------------
-    async def set_many(self, mapping: Mapping[Key, Any], ttl: Any = MISSING) -> None:
+    async def set_many(self, mapping: Mapping[Key, Any],
+                       ttl: float | timedelta | type[MISSING] | None = MISSING) -> None:
         """Store every pair now.
 
         Args:
@@ -215,11 +217,13 @@ class AsyncKVCache:
         entries = self.writer.encode_entries({self.key(k): v for k, v in mapping.items()})
         await self.write_entries(entries, ttl)
 
-    async def set(self, key: Key, value: Any, ttl: Any = MISSING) -> None:
+    async def set(self, key: Key, value: Any,
+                  ttl: float | timedelta | type[MISSING] | None = MISSING) -> None:
         """Store one value now (``ttl`` as for `set_many()`)."""
         await self.set_many({key: value}, ttl)
 
-    async def write_entries(self, entries: Mapping[bytes, bytes], ttl: Any = MISSING) -> bool:
+    async def write_entries(self, entries: Mapping[bytes, bytes],
+                            ttl: float | timedelta | type[MISSING] | None = MISSING) -> bool:
         """Write encoded entries now (see `Writer.write_entries()`)."""
         if self._closed:
             self._refuse()
@@ -242,7 +246,7 @@ class AsyncKVCache:
 
     # -- computing --------------------------------------------------------------------------
     async def get_or_compute(self, key: Key, compute: Callable[[], Any],
-                             ttl: Any = MISSING) -> Any:
+                             ttl: float | timedelta | type[MISSING] | None = MISSING) -> Any:
         """The cached value, or ``compute()`` stored and returned.
 
         Concurrent calls for the same key in this loop compute once; with ``lease``, so
@@ -357,7 +361,8 @@ class AsyncKVCache:
             for store_key in store_keys:
                 here.finished.pop(store_key, None)
 
-    def cached(self, fn: Callable[..., Any] | None = None, *, ttl: Any = MISSING,
+    def cached(self, fn: Callable[..., Any] | None = None, *,
+               ttl: float | timedelta | type[MISSING] | None = MISSING,
                key: Callable[..., Any] | None = None, noself: bool = False,
                condition: Condition | None = None) -> Any:
         """Decorator: cache what an async function returns, ``@cache.cached(ttl=60)``
@@ -386,7 +391,8 @@ class AsyncKVCache:
             return lambda f: cached(self, f, ttl, key, noself, condition)
         return cached(self, fn, ttl, key, noself, condition)
 
-    def cached_many(self, fn: Callable[..., Any] | None = None, *, ttl: Any = MISSING,
+    def cached_many(self, fn: Callable[..., Any] | None = None, *,
+                    ttl: float | timedelta | type[MISSING] | None = MISSING,
                     key: Callable[..., Any] | None = None, noself: bool = False) -> Any:
         """Decorator for a batch function ``async def f(ids, *rest) -> {id: value}``: the
         hits come from one multi-get, ``f`` is called once with only the missing ids (in

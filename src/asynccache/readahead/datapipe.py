@@ -12,6 +12,7 @@ import secrets
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from .. import _fork
@@ -221,7 +222,7 @@ class AsyncKVCacheMapDataPipe(_Base):
         client: BaseClient[Any],
         prefetch: int = 64,
         namespace: str | None = None,
-        ttl: float | None = None,
+        ttl: float | timedelta | None = None,
         codec: Codec | None = None,
         on_error: OnError = "fallback",
         order: Iterable[Any] | None = None,

@@ -13,6 +13,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any, Literal, TypeVar
 
 from .. import _fork
@@ -173,7 +174,7 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
         *,
         prefetch: int = 64,
         namespace: str | None = None,
-        ttl: float | None = None,
+        ttl: float | timedelta | None = None,
         codec: Codec | None = None,
         on_error: OnError = "fallback",
         key_fn: Callable[[Any], Any] | None = None,
