@@ -75,6 +75,23 @@ def test_memcached_pool_url_and_item_size() -> None:
 def test_keyword_options_override_query() -> None:
     c = ac.connect("redis://h/0?timeout=5", timeout=0.1)
     assert c.timeout == 0.1
+    assert ac.connect("redis://h/0?timeout=5", timeout=None).timeout == 5  # None: not given
+    pool = ac.connect("memcached://a,b", item_size=2 << 20, max_batch=16)
+    assert pool.max_batch == 16 and pool.max_value_size is not None \
+        and pool.max_value_size > 1 << 20
+
+
+def test_the_options_are_typed_keyword_only_parameters() -> None:
+    """The reference and an editor show every option (it was ``**options: Any``)."""
+    import inspect
+
+    params = inspect.signature(ac.connect).parameters
+    for name in ("timeout", "connect_timeout", "max_batch", "item_size", "tls",
+                 "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs",
+                 "ssl_check_hostname", "password_env"):
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+        assert params[name].default is None and "None" in str(params[name].annotation), name
+    assert "timeout:" in (ac.connect.__doc__ or "") and "item_size:" in (ac.connect.__doc__ or "")
 
 
 def test_memory_url() -> None:

@@ -125,12 +125,11 @@ def add_near_option(parser: argparse.ArgumentParser) -> None:
 def client_for(args: argparse.Namespace) -> BaseClient[Any]:
     """The client for ``args.url``, with ``--timeout`` applied when given; with
     ``--near``, ``Tiered(near, url)``."""
-    options: dict[str, float] = {}
-    if getattr(args, "timeout", None) is not None:
-        options = {"timeout": args.timeout, "connect_timeout": args.timeout}
-    client = connect(args.url, **options)
+    seconds = getattr(args, "timeout", None)  # None: the URL's, else the default
+    client = connect(args.url, timeout=seconds, connect_timeout=seconds)
     near = getattr(args, "near", None)
-    return client if near is None else Tiered(connect(near, **options), client)
+    return client if near is None else Tiered(
+        connect(near, timeout=seconds, connect_timeout=seconds), client)
 
 
 def tiers_of(client: BaseClient[Any]) -> list[tuple[str | None, BaseClient[Any]]]:

@@ -116,11 +116,12 @@ def run_share(job: WarmJob, worker: int, progress: Any, messages: Any) -> None:
 class _Share:
     def __init__(self, job: WarmJob, dataset: Any, progress: Any, slot: int,
                  messages: Any) -> None:
-        options = {} if job.timeout is None else {"timeout": job.timeout,
-                                                  "connect_timeout": job.timeout}
-        self.client: BaseClient[Any] = connect(job.url, **options)
+        seconds = job.timeout  # None: the URL's, else the default
+        self.client: BaseClient[Any] = connect(job.url, timeout=seconds,
+                                               connect_timeout=seconds)
         if job.near is not None:
-            self.client = Tiered(connect(job.near, **options), self.client)
+            self.client = Tiered(connect(job.near, timeout=seconds, connect_timeout=seconds),
+                                 self.client)
         codec = Codec.from_env(job.secret_env) if job.secret_env else None
         self.cache = AsyncKVCache(self.client, job.namespace, job.ttl, codec, on_error="raise")
         self.dataset = dataset

@@ -136,7 +136,22 @@ def _credentials(userinfo: str | None) -> tuple[str | None, str | None]:
     return (unquote(user) or None, unquote(password) if colon else None)
 
 
-def connect(url: str, **options: Any) -> BaseClient[Any]:
+def connect(
+    url: str,
+    *,
+    timeout: float | None = None,
+    connect_timeout: float | None = None,
+    max_batch: int | None = None,
+    item_size: int | None = None,
+    tls: bool | None = None,
+    ssl_ca_certs: str | None = None,
+    ssl_certfile: str | None = None,
+    ssl_keyfile: str | None = None,
+    ssl_cert_reqs: str | None = None,
+    ssl_check_hostname: bool | None = None,
+    password_env: str | None = None,
+    **options: Any,
+) -> BaseClient[Any]:
     """Build a client for ``url``: picklable configuration, no network I/O (connections
     open lazily, in the process and event loop that first uses them).
 
@@ -156,19 +171,37 @@ def connect(url: str, **options: Any) -> BaseClient[Any]:
     ```
 
     Args:
-        url: the store, in one of the forms above.
-        **options: as in the query string (keywords win): ``timeout`` and
-            ``connect_timeout`` (seconds), ``max_batch`` (keys per multi-get),
-            ``item_size`` (bytes; larger values are chunked), ``tls`` and the ``ssl_*``
-            options, ``password_env``. See the docs' "Stores and URLs" and "Security"
-            pages.
+        url: the store, in one of the forms above. Every keyword below may also be a
+            query parameter (``?timeout=0.5``); a keyword given here wins. None: the
+            URL's value, else the store's default.
+        timeout: seconds that bound every operation end to end (default 1).
+        connect_timeout: seconds to open a connection (default: ``timeout``).
+        max_batch: keys per multi-get request.
+        item_size: the store's largest value in bytes (memcached ``-I``); larger values
+            are chunked.
+        tls: TLS on a plain scheme (``rediss://`` says it already).
+        ssl_ca_certs: a CA bundle that verifies the server.
+        ssl_certfile: the client certificate (mutual TLS).
+        ssl_keyfile: the client certificate's key.
+        ssl_cert_reqs: ``"required"`` (default) or ``"none"`` (no verification).
+        ssl_check_hostname: check the certificate's host name (default True).
+        password_env: the name of an environment variable holding the password, so that
+            it appears in no URL, command line or pickle.
+        **options: what a registered provider's scheme or ``lmdb://`` takes besides
+            (e.g. ``map_size``). See the docs' "Stores and URLs" and "Security" pages.
 
     Raises:
         InvalidURL: the URL has none of these forms, or a bad host, port or option.
         ConfigError: an option the store does not take.
     """
+    named = {"timeout": timeout, "connect_timeout": connect_timeout, "max_batch": max_batch,
+             "item_size": item_size, "tls": tls, "ssl_ca_certs": ssl_ca_certs,
+             "ssl_certfile": ssl_certfile, "ssl_keyfile": ssl_keyfile,
+             "ssl_cert_reqs": ssl_cert_reqs, "ssl_check_hostname": ssl_check_hostname,
+             "password_env": password_env}
+    given = {name: value for name, value in named.items() if value is not None}
     try:
-        return _connect(url, options)
+        return _connect(url, {**given, **options})
     except TypeError as exc:  # an unknown keyword option
         raise ConfigError(
             f"connect({_mask(url)!r}): {exc}; options are "
