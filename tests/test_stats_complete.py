@@ -59,5 +59,30 @@ def test_every_read_is_counted_by_the_time_the_loop_has_its_batch(
             assert reads(stats) == total, (epoch, stats)
             if epoch == 0:  # a cold epoch: every read a miss, none served by read-ahead
                 assert stats["misses"] == N and stats["prefetch_hits"] == 0, stats
+            assert stats["hit_rate"] == stats["hits"] / total  # over the same sum
+            per_process = dp.stats(per_process=True)
+            assert all(0.0 <= one["hit_rate"] <= 1.0 for one in per_process.values())
     finally:
         dp.close()
+
+
+def test_the_cache_and_the_node_have_a_hit_rate_too(redis_server: Any, namespace: str) -> None:
+    import asyncio
+
+    from torchdata.nodes import Loader, SamplerWrapper
+
+    from asynccache.nodes import CachedMapper
+
+    async def run() -> dict[str, Any]:
+        async with ac.AsyncKVCache(ac.connect(redis_server.url), namespace=namespace) as cache:
+            assert cache.stats()["hit_rate"] == 0.0  # no read yet
+            await cache.set_many({i: i for i in range(3)})
+            await cache.get_many(list(range(4)))  # 3 hits, 1 miss
+            return cache.stats()
+
+    stats = asyncio.run(run())
+    assert stats["hit_rate"] == 0.75 and type(stats["hits"]) is int
+    node = CachedMapper(SamplerWrapper(range(8)), int, ac.connect(redis_server.url),
+                        namespace=namespace + "-node")
+    assert list(Loader(node)) == list(range(8))
+    assert node.stats()["hit_rate"] == 0.0 and node.stats()["misses"] == 8

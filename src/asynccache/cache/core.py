@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import CacheError, ClosedError, ConfigError, StoreError
 from ..observe.histogram import Histograms, Latency
-from ..observe.stats import Counters
+from ..observe.stats import Counters, with_hit_rate
 from ..store.api import BaseClient, NodeName
 from .coalesce import Coalescer, Computed, Shared
 from .codec import DEFAULT_CODEC, Codec
@@ -412,11 +412,15 @@ class AsyncKVCache:
         return cached_many(self, fn, ttl, key, noself)
 
     # -- stats ------------------------------------------------------------------------------
-    def stats(self) -> dict[str, int]:
-        """Counters: hits, misses, errors, timeouts, batches, bytes_read, sets, ...; and
-        two sizes: ``unstored_values`` (values kept here because the store lacks them:
-        their write failed or was dropped) and ``kept_bytes`` (the read-your-writes
-        record's memory)."""
+    def stats(self) -> dict[str, Any]:
+        """Counters: hits, misses, errors, timeouts, batches, bytes_read, sets, ...; two
+        sizes: ``unstored_values`` (values kept here because the store lacks them: their
+        write failed or was dropped) and ``kept_bytes`` (the read-your-writes record's
+        memory); and ``hit_rate``, hits / (hits + misses + recalled), a float."""
+        return with_hit_rate(self.counts())
+
+    def counts(self) -> dict[str, int]:
+        """`stats()` without ``hit_rate``: ints only (what is summed and published)."""
         total = self.counters.snapshot()
         total["unstored_values"] = self.writes.unstored_values
         total["kept_bytes"] = self.writes.kept_bytes

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..errors import ConfigError, MissingDependency
 from .histogram import KINDS, Latency, merge
+from .stats import HIT_RATE
 from .summary import ERROR_KINDS, SummaryLogger, log_summary, summary_line
 
 __all__ = ["CacheCollector", "SummaryLogger", "log_summary", "register", "summary_line"]
@@ -109,7 +110,8 @@ class CacheCollector:
             if obj is None:
                 continue
             live.append((ref, labels))
-            stats, latency = obj.stats(), obj.latency()
+            stats = {k: v for k, v in obj.stats().items() if k != HIT_RATE}  # counters
+            latency = obj.latency()
             if labels in out:
                 total, lat = out[labels]
                 stats = {k: total.get(k, 0) + stats.get(k, 0) for k in {*total, *stats}}

@@ -16,8 +16,22 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterable
+from typing import Any
 
-__all__ = ["CORE_COUNTERS", "Counters", "FailureLog"]
+__all__ = ["CORE_COUNTERS", "HIT_RATE", "Counters", "FailureLog", "with_hit_rate"]
+
+#: The one entry of a public ``stats()`` that is not a counter (a float in [0, 1]).
+HIT_RATE = "hit_rate"
+
+
+def with_hit_rate(counters: dict[str, int]) -> dict[str, Any]:
+    """``counters`` and ``hit_rate``: the share of reads the store (or L1, or read-ahead)
+    answered, ``hits / (hits + misses + recalled)``; 0.0 before any read. What a user
+    printing ``dp.stats()`` looks for first; the counters stay ints (summed across
+    processes and published as they are), the rate is computed from their sums."""
+    hits = counters.get("hits", 0)
+    reads = hits + counters.get("misses", 0) + counters.get("recalled", 0)
+    return {**counters, HIT_RATE: hits / reads if reads else 0.0}
 
 logger = logging.getLogger("asynccache")
 

@@ -23,7 +23,7 @@ from ..cache.expiry import check_ttl
 from ..cache.keys import Keyspace
 from ..cache.markers import MISSING
 from ..errors import ClosedError, ConfigError, KeyEncodingError
-from ..observe.stats import CORE_COUNTERS
+from ..observe.stats import CORE_COUNTERS, with_hit_rate
 from ..store.api import BaseClient
 from . import order as orders
 from .prefetch import Prefetcher
@@ -158,7 +158,7 @@ class PipeRuntime(ProcessRuntime):
 
     def stats(self) -> dict[str, int]:
         """This process's counters: the cache's and every thread's prefetcher's."""
-        total = self.cache.stats()
+        total = self.cache.counts()
         total.setdefault("computed", 0)
         for name, value in self.counts().items():
             total[name] = total.get(name, 0) + value
@@ -505,7 +505,8 @@ class AsyncKVCacheMapDataPipe(_Base):
 
     # -- lifecycle -------------------------------------------------------------------------
     def stats(self, per_process: bool = False) -> Any:
-        """hits, misses, errors, prefetch_hits, stalls, computed, bytes_read, ... (ints).
+        """hits, misses, errors, prefetch_hits, stalls, computed, bytes_read, ... (ints),
+        and ``hit_rate`` (a float: hits / (hits + misses + recalled), over the same sum).
 
         In the process that built the pipe: the sum over every copy of it — this
         process's and those of DataLoader workers, as of their last report (a worker
@@ -518,8 +519,9 @@ class AsyncKVCacheMapDataPipe(_Base):
         """
         local = self._local_stats() if self._closed is None else dict(self._closed)
         if per_process:
-            return {os.getpid(): local, **self._reports.others()}
-        return self._reports.total(local)
+            return {pid: with_hit_rate(counts) for pid, counts in
+                    {os.getpid(): local, **self._reports.others()}.items()}
+        return with_hit_rate(self._reports.total(local))
 
     def latency(self, per_process: bool = False) -> Any:
         """Durations of this pipe's store requests, ``{"read": Latency, "write": Latency}``

@@ -24,7 +24,7 @@ from ..cache.expiry import check_ttl
 from ..cache.keys import Keyspace, anonymous_scope, unique_namespace
 from ..cache.markers import MISSING, NOT_READ, Failed
 from ..errors import ClosedError, ConfigError, MissingDependency
-from ..observe.stats import CORE_COUNTERS
+from ..observe.stats import CORE_COUNTERS, with_hit_rate
 from ..store.api import BaseClient
 from .readers import Reader, Ticket
 from .runtime import ProcessRuntime, Reports, deep_copy_as_new
@@ -105,7 +105,7 @@ class NodeRuntime(ProcessRuntime):
 
     def stats(self) -> dict[str, int]:
         """This process's counters: the cache's and the node's own."""
-        total = self.cache.stats()
+        total = self.cache.counts()
         total.setdefault("computed", 0)
         for name, value in self.node._counts.items():
             total[name] = total.get(name, 0) + value
@@ -452,7 +452,8 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
     # -- lifecycle ---------------------------------------------------------------------------
     def stats(self, per_process: bool = False) -> Any:
         """The cache's counters plus the node's: hits, misses, prefetch_hits, stalls,
-        computed (computed_ahead of them by the workers), ... In the process that built
+        computed (computed_ahead of them by the workers), ..., and ``hit_rate`` (a float,
+        as the pipe's). In the process that built
         the node, summed over every copy of it (DataLoader workers; see the pipe's
         ``stats``).
 
@@ -470,8 +471,9 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
         else:
             local = rt.stats()
         if per_process:
-            return {os.getpid(): local, **self._reports.others()}
-        return self._reports.total(local)
+            return {pid: with_hit_rate(counts) for pid, counts in
+                    {os.getpid(): local, **self._reports.others()}.items()}
+        return with_hit_rate(self._reports.total(local))
 
     def latency(self, per_process: bool = False) -> Any:
         """Durations of the node's store requests, ``{"read": Latency, "write": Latency}``,
