@@ -15,8 +15,21 @@ import asynccache as ac
 def test_all_names_exist() -> None:
     for name in ac.__all__:
         assert hasattr(ac, name), name
-    for name in ("connect", "AsyncKVCache", "AsyncKVCacheMapDataPipe", "CacheError"):
+    for name in ("connect", "AsyncKVCache", "CacheError"):
         assert name in ac.__all__
+    # loaded on first use (torch, redis-py): attributes, not star-imported
+    for name in ("AsyncKVCacheMapDataPipe", "RedisClusterClient"):
+        assert hasattr(ac, name) and name not in ac.__all__
+
+
+def test_a_star_import_is_as_light_as_import_asynccache() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys\nfrom asynccache import *\n"
+         "print(sorted(m for m in ('torch', 'numpy', 'redis') if m in sys.modules))\n"
+         "print(connect('memory://star'))"],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == "[]"
 
 
 def test_datapipe_signature_matches_the_contract() -> None:

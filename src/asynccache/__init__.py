@@ -60,15 +60,18 @@ from .store.registry import register_scheme
 from .store.tiered import Tiered
 
 if _TYPE_CHECKING:  # loaded lazily by __getattr__ below (torch, redis-py)
-    from .readahead.datapipe import AsyncKVCacheMapDataPipe
-    from .store.redis.cluster import RedisClusterClient
+    from .readahead.datapipe import AsyncKVCacheMapDataPipe as AsyncKVCacheMapDataPipe
+    from .store.redis.cluster import RedisClusterClient as RedisClusterClient
 
 __version__ = "0.1.0"
 
+# What ``from asynccache import *`` gives. Not the two names loaded on first use
+# (``AsyncKVCacheMapDataPipe`` imports torch, ``RedisClusterClient`` redis-py): a star
+# import must stay as light as ``import asynccache``; both are attributes like the rest
+# (``ac.AsyncKVCacheMapDataPipe``, ``from asynccache import AsyncKVCacheMapDataPipe``).
 __all__ = [
     "MISSING",
     "AsyncKVCache",
-    "AsyncKVCacheMapDataPipe",
     "BaseClient",
     "CacheError",
     "ClosedError",
@@ -87,7 +90,6 @@ __all__ = [
     "MissingDependency",
     "Provider",
     "RedisClient",
-    "RedisClusterClient",
     "SignatureError",
     "StoreError",
     "StoreRejected",
