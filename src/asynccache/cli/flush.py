@@ -183,10 +183,7 @@ async def _delete_as_listed(client: BaseClient[Any], prefix: bytes) -> int:
 def _confirm(count: int, prefix: bytes, url: str) -> bool:
     """Ask on stderr (stdout stays the result's); anything but y/yes, or no terminal
     input at all, is no."""
-    sys.stderr.write(f"delete {count:,} keys under {prefix.decode()} on {url}? [y/N] ")
-    sys.stderr.flush()
-    answer = sys.stdin.readline()
-    return answer.strip().lower() in ("y", "yes")
+    return _confirm_what(f"{count:,} keys under {prefix.decode()}", url)
 
 
 # -- --unnamed --older-than AGE ----------------------------------------------------------------
@@ -245,6 +242,7 @@ def _unnamed_line(report: dict[str, Any], dry_run: bool) -> str:
 
 
 def _confirm_what(what: str, url: str) -> bool:
+    """Ask whether to delete ``what`` on ``url``: see `_confirm`."""
     sys.stderr.write(f"delete {what} on {url}? [y/N] ")
     sys.stderr.flush()
     return sys.stdin.readline().strip().lower() in ("y", "yes")
