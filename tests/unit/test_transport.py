@@ -264,12 +264,12 @@ def test_tls_wants_to_read_first_and_to_write_first() -> None:
 
 
 def test_a_request_sent_in_pieces_arrives_whole() -> None:
-    sock = ScriptedSocket([mget_reply(b"v")], send_limit=5)
+    sock = ScriptedSocket([mget_reply(*[b"v"] * 50)], send_limit=5)
     conn = redis(sock)
     keys = [b"key-%d" % i for i in range(50)]
     conn.send_get(keys)
     assert bytes(sock.sent) == pack_mget(keys)
-    assert conn.receive() == [b"v"]
+    assert conn.receive() == [b"v"] * 50
 
 
 def test_garbage_fails_the_connection() -> None:

@@ -114,10 +114,21 @@ def no_permission(text: str, where: str) -> str:
             "~ac:<namespace>:* +mget +get +set +del +ping")
 
 
-def check_mget_reply(reply: Any, where: str) -> list[Any]:
-    """The values of an ``MGET`` reply; an error reply becomes a StoreError."""
+#: what an element of an MGET reply may be: a value (hiredis: bytes; the bulk reader: a
+#: buffer of its own) or a miss
+_VALUE_TYPES = frozenset({bytes, bytearray, memoryview, type(None)})
+
+
+def check_mget_reply(reply: Any, where: str, count: int) -> list[Any]:
+    """The values of an ``MGET`` of ``count`` keys; an error reply, or an array that is
+    not one value or nil per key (a garbled reply: one element too many, error elements
+    inside the array as some fan-out proxies send), becomes a StoreError: the keys are
+    then misses, never values paired with the wrong key or an exception in a read."""
     if isinstance(reply, list):
-        return reply
+        if len(reply) == count and set(map(type, reply)) <= _VALUE_TYPES:
+            return reply
+        raise StoreError(f"redis {where} sent a garbled MGET reply ({_garbled(reply, count)}); "
+                         "its keys are read as misses")
     if isinstance(reply, hiredis.ReplyError):
         text = str(reply)
         if text.startswith("NOPERM"):
@@ -128,6 +139,13 @@ def check_mget_reply(reply: Any, where: str) -> list[Any]:
             return_error = StoreError(f"redis {where} answered MGET with an error: {text}")
         raise return_error
     raise StoreError(f"redis {where} answered MGET with {type(reply).__name__}, not an array")
+
+
+def _garbled(reply: list[Any], count: int) -> str:
+    if len(reply) != count:
+        return f"{len(reply)} elements for {count} keys"
+    odd = next(v for v in reply if type(v) not in _VALUE_TYPES)
+    return f"an element that is a {type(odd).__name__}: {str(odd)[:80]!r}"
 
 
 #: Error replies that mean "this cluster node cannot serve these keys now", not "this value".

@@ -304,14 +304,13 @@ class Read(_Call):
             self.handle(target, command, reply, redirects)
 
     def on_reply(self, node: NodeName, command: Command, reply: Any) -> None:
-        if type(reply) is not list:
-            try:
-                check_mget_reply(reply, f"cluster node {node}")
-            except StoreError as exc:
-                self.fail(node, exc, [command])
+        try:
+            got = check_mget_reply(reply, f"cluster node {node}", len(command.positions))
+        except StoreError as exc:  # an error reply, or a garbled one: these keys miss
+            self.fail(node, exc, [command])
             return
         values = self.values
-        for position, value in zip(command.positions, reply):
+        for position, value in zip(command.positions, got):
             values[position] = value
 
 

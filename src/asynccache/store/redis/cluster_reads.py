@@ -59,7 +59,7 @@ class _Gets(Request):
     __slots__ = ("n",)
 
     def __init__(self, keys: Sequence[bytes]) -> None:
-        super().__init__(pack_gets(keys))
+        super().__init__(pack_gets(keys), len(keys))
         self.n = len(keys)
 
 

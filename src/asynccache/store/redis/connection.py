@@ -69,6 +69,6 @@ class RespConnection(AsyncConnection):
         replies = await self.execute([[pack_mget(chunk)] for chunk in chunks])
         out: list[bytes | None] = []
         where = self.endpoint.where
-        for reply in replies:
-            out.extend(check_mget_reply(reply, where))
+        for chunk, reply in zip(chunks, replies):
+            out.extend(check_mget_reply(reply, where, len(chunk)))
         return out

@@ -69,7 +69,7 @@ class BlockingRespConnection(BlockingConnection):
         packed = pack_mget(keys)
         if self.big != (self.value_bytes >= (BIG_VALUE // 4 if self.big else BIG_VALUE)):
             self._switch_parser()
-        return Request(packed)
+        return Request(packed, len(keys))
 
     def _new_parser(self) -> Any:
         return RespParser()  # setup replies are hiredis': AUTH, SELECT are not MGETs
@@ -119,8 +119,9 @@ class BlockingRespConnection(BlockingConnection):
     _parse = _parse_resp
 
     def _accept(self, reply: Any) -> list[Any]:
+        count = self.pending[0].count
         super()._accept(reply)
-        values = check_mget_reply(reply, self.endpoint.where)
+        values = check_mget_reply(reply, self.endpoint.where, count)
         if values and (first := values[0]) is not None:  # one look per reply: cheap
             self.value_bytes += _ALPHA * (len(first) - self.value_bytes)
         return values

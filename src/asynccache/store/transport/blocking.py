@@ -40,12 +40,14 @@ class Closed(Exception):
 
 
 class Request:
-    """One request on the wire: its bytes and its deadline (``time.monotonic()``)."""
+    """One request on the wire: its bytes, how many keys it asks for (what its reply must
+    hold) and its deadline (``time.monotonic()``)."""
 
-    __slots__ = ("deadline", "packed")
+    __slots__ = ("count", "deadline", "packed")
 
-    def __init__(self, packed: bytes) -> None:
+    def __init__(self, packed: bytes, count: int = 0) -> None:
         self.packed = packed
+        self.count = count
         self.deadline = 0.0
 
 
