@@ -546,3 +546,21 @@ def test_pipe_on_a_pool_keeps_serving_when_one_node_dies(namespace: str) -> None
             stats = dp.stats()
     assert stats["hits"] > 40  # the live node's share was read, not recomputed
     assert stats["unavailable"] >= 1 and stats["errors"] <= 5
+
+
+@pytest.mark.parametrize("years", [1, 20])
+def test_a_ttl_reaching_past_2038_keeps_the_value(memcached_server: servers.MemcachedServer,
+                                                  namespace: str, years: int) -> None:
+    """memcached reads an exptime over 30 days as a signed 32-bit Unix time: 20 years from
+    now was a time in the past, the value stored already expired (every read a miss, no
+    error). A ttl past 2038 now means no expiry; one before it stays an absolute time."""
+    ttl = years * 365 * 24 * 3600.0
+
+    async def run() -> tuple[object, dict[str, int]]:
+        async with ac.AsyncKVCache(ac.connect(memcached_server.url), namespace=namespace,
+                                   ttl=ttl, on_error="raise") as cache:
+            await cache.set("k", {"kept": years})
+            return await cache.get("k", default=None), cache.stats()
+
+    value, stats = asyncio.run(run())
+    assert value == {"kept": years} and stats["errors"] == 0

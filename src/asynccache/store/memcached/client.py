@@ -54,6 +54,8 @@ __all__ = ["MemcachedClient", "MemcachedConnection", "rendezvous_owner", "safe_m
 T = TypeVar("T")
 
 _THIRTY_DAYS = 30 * 24 * 3600
+#: The last absolute exptime memcached reads right (a signed 32-bit Unix time: 2038-01-19).
+_LAST_UNIX_TIME = 2**31 - 1
 #: Room for memcached's per-item header within the slab item size.
 _ITEM_OVERHEAD = 1024
 
@@ -441,8 +443,13 @@ def _exptime(ttl: float | None) -> int:
     Its clock moves once a second, so an exptime of ``n`` ends anywhere in ``(n - 1,
     n]`` after the write: ``ceil(ttl) + 1`` keeps every value at least ``ttl`` (0.1 s
     lives 1-2 s, 60 s lives 61-62 s). Beyond 30 days memcached reads an absolute Unix
-    time."""
+    time, a signed 32-bit one: a time past 2038-01-19 reads as one in the past, and the
+    value was "stored" already expired (every read a miss, no error). Such a ttl means
+    "as long as the store keeps it": no expiry (0)."""
     if ttl is None:
         return 0
     seconds = math.ceil(ttl) + 1
-    return seconds if seconds <= _THIRTY_DAYS else int(time.time()) + seconds
+    if seconds <= _THIRTY_DAYS:
+        return seconds
+    until = int(time.time()) + seconds
+    return until if until <= _LAST_UNIX_TIME else 0
