@@ -132,3 +132,26 @@ def test_command_line_output_never_shows_the_password(
     assert code in (1, 2), output
     assert "error" in output
     assert_clean(output, password)
+
+
+#: credentials typed after the slashes (issue 30): each was refused or accepted with the
+#: password in the message or the repr
+TYPOS = ["redis:///:{pw}@h", "rediss:///user:{pw}@h", "redis+cluster:///:{pw}@h:1",
+         "lmdb://:{pw}@/tmp/asynccache-typo", "unix:///:{pw}@/run/redis.sock",
+         "memcached:///:{pw}@h", "valkey:///:{pw}@h"]
+
+
+@pytest.mark.parametrize("typo", TYPOS)
+def test_a_url_with_the_credentials_after_the_slashes_never_shows_them(
+        typo: str, capsys: pytest.CaptureFixture[str]) -> None:
+    secret = password_with(":")
+    url = typo.format(pw=secret)
+    with pytest.raises(ac.InvalidURL) as info:
+        ac.connect(url)
+    assert not any(word in str(info.value) for word in WORDS), str(info.value)
+    assert "***" in str(info.value)
+    with pytest.raises(SystemExit) as exited:  # argparse: a usage error, one line, masked
+        main(["ping", url])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err and not any(word in err for word in WORDS), err

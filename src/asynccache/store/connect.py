@@ -252,6 +252,9 @@ def _connect(url: str, options: dict[str, Any]) -> BaseClient[Any]:
             raise InvalidURL(f"{_mask(url)}: a unix URL has no host; write unix:///path/to.sock")
         if not path:
             raise InvalidURL(f"{_mask(url)}: missing socket path; write unix:///path/to.sock")
+        if "@" in path:  # unix:///:password@/path: credentials typed after the slashes
+            raise InvalidURL(f"{_mask(url)}: the user and password of a unix URL come before "
+                             "the path: unix://user:password@/path/to.sock")
         db = opts.pop("db", 0)
         return RedisClient(unix_socket_path="/" + path, db=db, username=user, password=password,
                            tls=_tls(False, opts, url), **opts)

@@ -56,6 +56,19 @@ def _masked(userinfo: str) -> str:
     return f"{user}:{MASK}" if colon else MASK
 
 
+def _userinfo_of(text: str, start: int) -> tuple[int, tuple[str | None, str]]:
+    """Where the userinfo of the URL whose ``//`` ends at ``start`` begins, and
+    `split_userinfo()` of it. A mistyped URL with the credentials after the slashes
+    (``redis:///:pw@host``, ``unix:///:pw@/path``) is read as if they came first: a mask
+    may hide a path holding an ``@``, never let a password through."""
+    rest = text[start:]
+    if rest.startswith("/") and "@" in rest:
+        start += len(rest) - len(rest.lstrip("/"))
+        userinfo, _at, after = text[start:].rpartition("@")
+        return start, (userinfo, after)
+    return start, split_userinfo(rest)
+
+
 def mask_url(url: str) -> str:
     """``url`` with its password (its whole userinfo when it has no ``:``) replaced by
     ``***``; a string without ``//`` (a mistyped URL) is masked up to its last ``@``."""
@@ -65,7 +78,7 @@ def mask_url(url: str) -> str:
     start = scheme.end() if scheme else 0
     if url.startswith("//", start):
         start += 2
-        userinfo, after = split_userinfo(url[start:])
+        start, (userinfo, after) = _userinfo_of(url, start)
     else:  # not a URL connect() parses: hide everything up to the last "@"
         userinfo, at, after = url[start:].rpartition("@")
         if not at:
@@ -79,8 +92,7 @@ def mask_text(text: str) -> str:
     """Every URL's userinfo in a free text masked (the last ``@`` after the first
     ``scheme://`` ends it, so this may mask more than the password, never less)."""
     for found in _URL_START.finditer(text):
-        start = found.end()
-        userinfo, after = split_userinfo(text[start:])
+        start, (userinfo, after) = _userinfo_of(text, found.end())
         if userinfo is not None:
             return f"{text[:start]}{_masked(userinfo)}@{after}"
     return text

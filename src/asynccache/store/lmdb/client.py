@@ -25,6 +25,7 @@ from ...errors import (
     StoreUnavailable,
 )
 from ..api import AnsweredAtSend, ConsumerReads, NodeName, WriteResult
+from ..credentials import mask_url
 from ..provider import Provider
 from .damage import EnvironmentDamaged
 from .environment import Settings, session, using, writer
@@ -384,6 +385,9 @@ def _path_of(url: str) -> str:
         raise InvalidURL(f"not an lmdb URL: {url!r}; write lmdb:///path/to/dir")
     if parts.netloc:  # lmdb://relative/dir: "relative" is a host, the path depends on cwd
         meant = os.path.abspath(os.path.expanduser(unquote(parts.netloc + parts.path)))
+        if "@" in parts.netloc:  # credentials: lmdb:// takes none, and they stay unsaid
+            raise InvalidURL(f"{mask_url(url)!r}: lmdb:// takes no user name or password; "
+                             "write lmdb:///abs/path/to/dir")
         raise InvalidURL(f"{url!r} names a host ({parts.netloc!r}), not a directory: an "
                          "lmdb:// URL takes an absolute path, with three slashes: "
                          f"lmdb:///abs/path, e.g. lmdb://{meant} (or pass path= to LmdbClient "
