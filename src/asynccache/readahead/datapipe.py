@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import operator
-import os
 import secrets
 import threading
 import weakref
@@ -23,7 +22,7 @@ from ..cache.expiry import check_ttl
 from ..cache.keys import Keyspace
 from ..cache.markers import MISSING
 from ..errors import ClosedError, ConfigError, KeyEncodingError
-from ..observe.stats import CORE_COUNTERS, with_hit_rate
+from ..observe.stats import CORE_COUNTERS
 from ..store.api import BaseClient
 from . import order as orders
 from .prefetch import Prefetcher
@@ -518,10 +517,7 @@ class AsyncKVCacheMapDataPipe(_Base):
             per_process: ``{pid: counters}`` instead of the sum.
         """
         local = self._local_stats() if self._closed is None else dict(self._closed)
-        if per_process:
-            return {pid: with_hit_rate(counts) for pid, counts in
-                    {os.getpid(): local, **self._reports.others()}.items()}
-        return with_hit_rate(self._reports.total(local))
+        return self._reports.stats(local, per_process)
 
     def latency(self, per_process: bool = False) -> Any:
         """Durations of this pipe's store requests, ``{"read": Latency, "write": Latency}``

@@ -24,7 +24,7 @@ from ..cache.expiry import check_ttl
 from ..cache.keys import Keyspace, anonymous_scope, unique_namespace
 from ..cache.markers import MISSING, NOT_READ, Failed
 from ..errors import ClosedError, ConfigError, MissingDependency
-from ..observe.stats import CORE_COUNTERS, with_hit_rate
+from ..observe.stats import CORE_COUNTERS
 from ..store.api import BaseClient
 from .readers import Reader, Ticket
 from .runtime import ProcessRuntime, Reports, deep_copy_as_new
@@ -470,10 +470,7 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
                 local[name] = local.get(name, 0) + value
         else:
             local = rt.stats()
-        if per_process:
-            return {pid: with_hit_rate(counts) for pid, counts in
-                    {os.getpid(): local, **self._reports.others()}.items()}
-        return with_hit_rate(self._reports.total(local))
+        return self._reports.stats(local, per_process)
 
     def latency(self, per_process: bool = False) -> Any:
         """Durations of the node's store requests, ``{"read": Latency, "write": Latency}``,

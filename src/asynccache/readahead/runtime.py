@@ -26,6 +26,7 @@ from ..cache.markers import is_value
 from ..errors import CacheError, StoreError, StoreTimeout
 from ..observe.board import REPORT_INTERVAL, StatsBoard
 from ..observe.histogram import Latency, merge
+from ..observe.stats import with_hit_rate
 from ..store.api import BaseClient
 from ..store.loop import LoopThread, get_loop_thread
 from .readers import L1Reader, LoopReader, Reader, SocketReader
@@ -67,6 +68,14 @@ class Reports:
     def others(self) -> dict[int, dict[str, int]]:
         """What the copies in other processes last published (owner side)."""
         return self.board.collect() if self.owner else {}
+
+    def stats(self, local: dict[str, int], per_process: bool) -> Any:
+        """The public ``stats()`` of a pipe or node: ``local`` (this process's counters)
+        summed with its copies', or by pid with ``per_process``; with ``hit_rate``."""
+        if per_process:
+            return {pid: with_hit_rate(counts) for pid, counts in
+                    {os.getpid(): local, **self.others()}.items()}
+        return with_hit_rate(self.total(local))
 
     def total(self, local: dict[str, int]) -> dict[str, int]:
         total = dict(local)

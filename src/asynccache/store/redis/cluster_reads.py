@@ -53,16 +53,6 @@ IDLE_CHECK_AFTER = 0.5
 _ReplyError = hiredis.ReplyError
 
 
-class _Gets(Request):
-    """``n`` pipelined ``GET``s, answered by ``n`` replies gathered into one list."""
-
-    __slots__ = ("n",)
-
-    def __init__(self, keys: Sequence[bytes]) -> None:
-        super().__init__(pack_gets(keys), len(keys))
-        self.n = len(keys)
-
-
 class BlockingClusterConnection(BlockingRespConnection):
     """One cluster node's socket: each request is a ``GET`` per key, answered as one list.
 
@@ -87,7 +77,9 @@ class BlockingClusterConnection(BlockingRespConnection):
 
     # -- requests -----------------------------------------------------------------------
     def _request(self, keys: Sequence[bytes]) -> Request:
-        return _Gets(keys)  # GETs stay on hiredis: no parser switch
+        # a GET per key, answered by ``count`` replies gathered into one list; GETs stay
+        # on hiredis: no parser switch
+        return Request(pack_gets(keys), len(keys))
 
     def _idle_closed(self) -> bool:
         return time.monotonic() - self._active > IDLE_CHECK_AFTER and super()._idle_closed()
@@ -131,7 +123,7 @@ class BlockingClusterConnection(BlockingRespConnection):
         """The oldest request's replies as one list once all have arrived, else False;
         raises (or, inside a poll that already parsed a reply, defers) the failure a
         reply that is not a value means."""
-        need, got, gets = self.pending[0].n, self._got, self.parser.gets
+        need, got, gets = self.pending[0].count, self._got, self.parser.gets
         try:
             while len(got) < need:
                 reply = gets()
