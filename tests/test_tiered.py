@@ -530,8 +530,11 @@ def test_the_tiered_bench_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str
     # copied in DataLoader workers, reported as of their last report (on a busy machine a
     # report may not have arrived: 0 is possible, a figure, not a defect); each worker
     # reads ahead its next epoch's first batch as its share ends (these workers are not
-    # persistent: a batch each, wasted, maybe copied once more)
-    most = config["items"] + config["workers"] * config["batch"]
+    # persistent: a batch each, wasted, maybe copied once more). Since every batch is
+    # reported (issue 38) the counts are whole, and two workers reading ahead the same
+    # first batches of an epoch may each copy them (199 of 128 items seen in one CI run):
+    # the bound is the scale of the defect (copies without end), not an exact figure
+    most = 2 * (config["items"] + config["workers"] * config["batch"])
     assert level["copied_per_empty_epoch"] and all(
         0 <= copied <= most for copied in level["copied_per_empty_epoch"])
     assert entry["plots"] and "Near/far tier" in (tmp_path / "summary.md").read_text()
