@@ -101,6 +101,7 @@ class LmdbClient(Provider):
         max_spare_txns: int | str = 4,
         sync: bool | str = True,
         readahead: bool | str = True,
+        verify: bool | str = True,
         **options: Any,
     ) -> None:
         """``url`` (``lmdb:///abs/dir``, three slashes) or ``path`` (relative to the
@@ -121,7 +122,8 @@ class LmdbClient(Provider):
         self.settings = Settings(path=where, map_size=parse_size(map_size),
                                   max_readers=readers, max_spare_txns=spare,
                                   sync=_flag("sync", sync),
-                                  readahead=_flag("readahead", readahead))
+                                  readahead=_flag("readahead", readahead),
+                                  verify=_flag("verify", verify))
         _check_writable(where)
 
     @property
@@ -173,11 +175,18 @@ class LmdbClient(Provider):
 
     # -- writes: one transaction each, on this process' writer thread -------------------
     async def _write(self, fn: Callable[[Any], T], what: str) -> T:
+        # a commit that cannot be torn by a crash moves the verified record on with it
+        moves_record = self.settings.sync and self.settings.verify
+
         def run() -> T:
             try:
-                with session(self.settings, self.safe_url) as held, \
-                        held.env.begin(write=True) as txn:
-                    return fn(txn)
+                with session(self.settings, self.safe_url) as held:
+                    with held.env.begin(write=True) as txn:
+                        before = held.verified_state() if moves_record else None
+                        result = fn(txn)
+                    if before is not None:
+                        held.committed(before)
+                    return result
             except lmdb.Error as exc:
                 raise self._translate(exc, what) from exc
 

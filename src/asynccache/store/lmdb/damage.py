@@ -6,12 +6,13 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import struct
 import time
 from typing import Any
 
 from ...errors import CacheError, StoreUnavailable
+from . import layout
 from .package import lmdb
+from .verified import Identity, identity, problem, record, recorded
 
 __all__ = ["DAMAGE", "Env", "EnvironmentDamaged", "damaged", "file_problem"]
 
@@ -24,19 +25,6 @@ class EnvironmentDamaged(StoreUnavailable):
 #: lmdb errors that mean the files are damaged, not that an operation failed (MDB_PANIC
 #: may follow a failed write, a full disk: a plain store error)
 DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError)
-
-#: LMDB 0.9's meta page (mdb.c: a 16-byte page header, then MDB_meta), the fields read:
-#: page number, page flags; magic, data version, map size; the free-page DB's md_pad (the
-#: page size), flags, depth, root; the main DB's flags, depth, root; last page, txnid.
-_META = struct.Struct("<Q2xH4xII8xQIHH32xQ4xHH32xQQQ")
-_META_MAGIC = 0xBEEFC0DE
-_META_VERSION = 1       # MDB_DATA_VERSION of LMDB 0.9
-_P_META = 0x08
-_P_INVALID = (1 << 64) - 1
-_INTEGERKEY = 0x08      # the free-page DB's flags
-_MAX_DEPTH = 32         # CURSOR_STACK
-_KNOWN_FORMAT = lmdb.version()[:2] == (0, 9)
-
 
 def damaged(where: str, path: str, reason: str) -> str:
     return (f"LMDB {where} is damaged: {reason}. asynccache no longer reads or writes it in "
@@ -65,15 +53,16 @@ class Env:
         self.verified: tuple[bytes, bytes, int] = (b"", b"", 1 << 62)
         self.fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY | os.O_CLOEXEC)
         try:
-            head = os.pread(self.fd, _META.size, 0)
-            fields = _META.unpack(head) if len(head) == _META.size else None
+            head = os.pread(self.fd, layout.META.size, 0)
+            fields = layout.parse_meta(head) if len(head) == layout.META.size else None
         except OSError:
             fields = None
         # the meta pages are parsed only in the format known here; LMDB accepted this file
         # a moment ago, so a meta page that does not parse means another format
-        self.parse = bool(_KNOWN_FORMAT and fields and fields[2] == _META_MAGIC
-                          and fields[3] == _META_VERSION and _page_size(fields[5]))
-        self.psize = fields[5] if self.parse and fields else mmap.PAGESIZE
+        self.parse = bool(layout.KNOWN_FORMAT and fields and fields.magic == layout.META_MAGIC
+                          and fields.version == layout.META_VERSION
+                          and layout.page_size_ok(fields.psize))
+        self.psize = fields.psize if self.parse and fields else mmap.PAGESIZE
         with contextlib.suppress(CacheError):
             self.check()  # damage found here is kept, and raised on first use
 
@@ -82,6 +71,31 @@ class Env:
         if self.metas is not None:
             self.metas.close()
         os.close(self.fd)
+
+    def verify(self) -> None:
+        """Walk data.mdb's B-trees unless the file is in the state last verified
+        (`verified.problem`); damage found is kept, and raised on first use.
+        Only in the format known here, after `check()` found the meta pages sane."""
+        if self.damage is not None or not self.parse:
+            return
+        found = problem(self.env, self.path, self.fd, self.psize)
+        if found is not None:
+            self.fail(f"the check at open found: {found}")
+
+    def verified_state(self) -> Identity | None:
+        """data.mdb's identity now, if it is the one recorded as verified; call it inside
+        a write transaction (no other commit can come between this and the commit)."""
+        if not self.parse:
+            return None
+        now = identity(self.fd, self.psize)
+        return now if now is not None and now == recorded(self.path) else None
+
+    def committed(self, before: Identity) -> None:
+        """After a commit (with ``sync``) from the verified state ``before``: the new
+        state is trusted too, unless another commit came in between."""
+        after = identity(self.fd, self.psize)
+        if after is not None and after.txnid == before.txnid + 1:
+            record(self.path, after)
 
     def fail(self, reason: str) -> EnvironmentDamaged:
         """Damage: from now on every use of this environment in this process raises."""
@@ -104,8 +118,8 @@ class Env:
             size = os.fstat(self.fd).st_size
             meta0, meta1, needed = self.verified
             metas, psize = self.metas, self.psize
-            if (size >= needed and metas is not None and metas[:_META.size] == meta0
-                    and metas[psize:psize + _META.size] == meta1):
+            if (size >= needed and metas is not None and metas[:layout.META.size] == meta0
+                    and metas[psize:psize + layout.META.size] == meta1):
                 return
             for attempt in range(3):
                 if attempt:
@@ -133,43 +147,20 @@ class Env:
         metas = self.metas
         if metas is None:
             metas = self.metas = mmap.mmap(self.fd, 2 * psize, access=mmap.ACCESS_READ)
-        meta0, meta1 = metas[:_META.size], metas[psize:psize + _META.size]
-        problem = _meta_problem(meta0, 0, size, psize) or _meta_problem(meta1, 1, size, psize)
+        meta0, meta1 = metas[:layout.META.size], metas[psize:psize + layout.META.size]
+        problem = (layout.meta_problem(meta0, 0, size, psize)
+                   or layout.meta_problem(meta1, 1, size, psize))
         if problem is None:
             self.verified = (meta0, meta1, psize * (1 + max(
-                _META.unpack(meta0)[12], _META.unpack(meta1)[12])))
+                layout.parse_meta(meta0).last, layout.parse_meta(meta1).last)))
         return problem
-
-
-def _meta_problem(meta: bytes, page: int, size: int, psize: int) -> str | None:
-    """What is wrong with ``meta``, the start of meta page ``page``, for a data.mdb of
-    ``size`` bytes; None: nothing."""
-    (pgno, flags, magic, version, _map_size, page_size, free_flags, free_depth, free_root,
-     main_flags, main_depth, main_root, last, _txnid) = _META.unpack(meta)
-    used = (last + 1) * psize
-    if (pgno, flags, magic, version, page_size) != (
-            page, _P_META, _META_MAGIC, _META_VERSION, psize):
-        return f"meta page {page} was overwritten"
-    if used > size:
-        return (f"meta page {page} says {used} bytes are in use, data.mdb holds {size}: "
-                "it was truncated")
-    if not (last >= 1 and free_flags == _INTEGERKEY and main_flags == 0
-            and free_depth <= _MAX_DEPTH and main_depth <= _MAX_DEPTH
-            and (free_root == _P_INVALID or 2 <= free_root <= last)
-            and (main_root == _P_INVALID or 2 <= main_root <= last)):
-        return f"meta page {page} is inconsistent"
-    return None
-
-
-def _page_size(psize: int) -> bool:
-    return 512 <= psize <= 1 << 16 and not psize & (psize - 1)
 
 
 def file_problem(path: str) -> str | None:
     """What is wrong with ``path``/data.mdb, read with ``pread`` (never mapped): for when
     LMDB fails to open it with an error that does not say (a damaged meta page can make
     it map terabytes: "Cannot allocate memory"). None: nothing found, or no such file."""
-    if not _KNOWN_FORMAT:
+    if not layout.KNOWN_FORMAT:
         return None
     try:
         fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY | os.O_CLOEXEC)
@@ -177,16 +168,17 @@ def file_problem(path: str) -> str | None:
         return None
     try:
         size = os.fstat(fd).st_size
-        head = os.pread(fd, _META.size, 0)
-        if len(head) < _META.size:
+        head = os.pread(fd, layout.META.size, 0)
+        if len(head) < layout.META.size:
             return f"data.mdb is {size} bytes, shorter than its meta pages" if size else None
-        psize = _META.unpack(head)[5]
-        if not _page_size(psize):
+        psize = layout.parse_meta(head).psize
+        if not layout.page_size_ok(psize):
             return "meta page 0 was overwritten"
-        meta1 = os.pread(fd, _META.size, psize)
-        if len(meta1) < _META.size:
+        meta1 = os.pread(fd, layout.META.size, psize)
+        if len(meta1) < layout.META.size:
             return f"data.mdb is {size} bytes, shorter than its two meta pages"
-        return _meta_problem(head, 0, size, psize) or _meta_problem(meta1, 1, size, psize)
+        return (layout.meta_problem(head, 0, size, psize)
+                or layout.meta_problem(meta1, 1, size, psize))
     except OSError:
         return None
     finally:

@@ -28,6 +28,7 @@ class Settings:
     max_spare_txns: int
     sync: bool
     readahead: bool
+    verify: bool
 
 
 #: How long a fork waits for this process' LMDB operations in flight to finish, so that
@@ -188,7 +189,10 @@ def _open(settings: Settings, where: str) -> Env:
     except lmdb.Error:
         pass
     try:
-        return Env(env, settings.path, where)
+        held = Env(env, settings.path, where)
+        if settings.verify:
+            held.verify()
+        return held
     except OSError as exc:
         env.close()
         raise StoreUnavailable(f"LMDB {where}: cannot open data.mdb to check it: {exc}; "
