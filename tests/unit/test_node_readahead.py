@@ -13,17 +13,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from torchdata.nodes import IterableWrapper
 
-pytest.importorskip("torchdata.nodes")
-
-from torchdata.nodes import IterableWrapper  # noqa: E402
-
-import asynccache as ac  # noqa: E402
-from asynccache.cache.markers import MISSING  # noqa: E402
-from asynccache.readahead.nodes import CachedMapper, NodeRuntime  # noqa: E402
-from asynccache.readahead.readers import Reader, Ticket  # noqa: E402
-from asynccache.readahead.window import WINDOW_GROWTH  # noqa: E402
-from asynccache.store.api import NOT_READ  # noqa: E402
+import asynccache as ac
+from asynccache.cache.markers import MISSING
+from asynccache.readahead.nodes import CachedMapper, NodeRuntime
+from asynccache.readahead.readers import Reader, Ticket
+from asynccache.readahead.window import WINDOW_GROWTH
+from asynccache.store.api import NOT_READ
 
 _names = itertools.count()
 
