@@ -127,7 +127,7 @@ def drain(node: CachedMapper[Any], limit: int | None = None) -> list[Any]:
 
 
 def take(node: CachedMapper[Any], limit: int | None = None) -> list[Any]:
-    out = []
+    out: list[Any] = []
     while limit is None or len(out) < limit:
         try:
             out.append(node.next())
