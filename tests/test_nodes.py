@@ -76,7 +76,10 @@ def test_yields_map_fn_of_each_item_in_order_and_epoch_two_computes_nothing(
     stats = node.stats()
     node.close()
     assert stats["hits"] == N and stats["misses"] == N and stats["computed"] == N
-    assert stats["prefetch_hits"] + stats["stalls"] == 2 * N
+    # a hit of epoch two was ready (a prefetch hit) or waited for (a stall); a miss read
+    # ahead is no prefetch hit (the pipe's meaning, one engine)
+    assert stats["prefetch_hits"] <= stats["hits"]
+    assert N <= stats["prefetch_hits"] + stats["stalls"] <= 2 * N
     assert stats["batches"] <= 2 * (N // 8 + 2)  # batched reads, not one per item
 
 
@@ -242,7 +245,7 @@ def test_large_values_are_read_ahead_in_byte_bounded_requests(redis_server: Any,
                         namespace=namespace, prefetch=64, prefetch_bytes=512 * 1024)
     got = list(Loader(node))
     stats = node.stats()
-    window = (node._window, node._batch)
+    window = (node._sizer.window, node._sizer.batch)
     node.close()
     assert got == [big(i) for i in range(n)]
     assert stats["hits"] == n and stats["computed"] == 0

@@ -11,7 +11,6 @@ import multiprocessing
 import os
 import secrets
 import threading
-import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, Literal, TypeVar
@@ -22,10 +21,11 @@ from ..cache.codec import Codec
 from ..cache.core import OnError, check_settings
 from ..cache.expiry import check_ttl
 from ..cache.keys import Keyspace, anonymous_scope, unique_namespace
-from ..cache.markers import MISSING, NOT_READ, Failed
+from ..cache.markers import MISSING, NOT_READ
 from ..errors import ClosedError, ConfigError, MissingDependency
 from ..observe.stats import CORE_COUNTERS
 from ..store.api import BaseClient
+from .engine import NOTHING, ReadAhead
 from .readers import Reader, Ticket
 from .runtime import ProcessRuntime, Reports, deep_copy_as_new
 from .window import DEFAULT_PREFETCH_BYTES, WINDOW_GROWTH, WindowSizer
@@ -51,20 +51,27 @@ EPOCH_FLUSH_TIMEOUT = 10.0
 #: stats() names of the node's own counters
 COUNTERS = ("hits", "misses", "prefetch_hits", "stalls", "stall_us", "stall_timeouts",
             "computed_ahead", "interrupted_reads")
+#: the read-ahead engine's attribute for each counter it keeps (the rest are the node's)
+_ENGINE_COUNTERS = {"hits": "hits", "misses": "misses", "prefetch_hits": "prefetch_hits",
+                    "stalls": "stalls", "stall_us": "stall_us",
+                    "stall_timeouts": "stall_timeouts", "interrupted_reads": "interrupted"}
 
 
 class _Entry:
-    """One item pulled ahead: its key, the read it waits on, the compute of a miss."""
+    """One item pulled ahead: its key, its state, the compute of a miss. The engine
+    reads it as an index (by identity): in flight, ready, or neither (not sent)."""
 
-    __slots__ = ("future", "item", "key", "position", "state", "ticket")
+    __slots__ = ("future", "item", "key", "state")
 
     def __init__(self, item: Any, key: bytes, state: dict[str, Any] | None) -> None:
         self.item = item
         self.key = key
         self.state = state  # the source's state right after this item was pulled
-        self.ticket: Ticket | None = None
-        self.position = 0
         self.future: concurrent.futures.Future[Any] | None = None
+
+
+def _key_of(entry: _Entry) -> bytes:
+    return entry.key
 
 
 class NodeRuntime(ProcessRuntime):
@@ -107,7 +114,7 @@ class NodeRuntime(ProcessRuntime):
         """This process's counters: the cache's and the node's own."""
         total = self.cache.counts()
         total.setdefault("computed", 0)
-        for name, value in self.node._counts.items():
+        for name, value in self.node._all_counts().items():
             total[name] = total.get(name, 0) + value
         return total
 
@@ -224,7 +231,8 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
         self._prefetch = max(1, prefetch)
         growth = WINDOW_GROWTH if prefetch > 0 else 1  # 0: one item at a time
         self._sizer = WindowSizer(self._prefetch, prefetch_bytes, growth)
-        self._window, self._batch = self._sizer.window, self._sizer.batch
+        #: the read-ahead engine of the thread driving the node (`_engine_for`)
+        self._engine: ReadAhead | None = None
         self._rt: NodeRuntime | None = None
         self._ahead: collections.deque[_Entry] = collections.deque()
         self._unsent: list[_Entry] = []
@@ -251,7 +259,42 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
             if rt is not None:
                 park_inherited(rt)
             rt = self._rt = NodeRuntime(self)
+            self._engine = None  # its reader was the old runtime's (a fork, a close)
         return rt
+
+    def _engine_for(self, reader: Reader) -> ReadAhead:
+        """The read-ahead engine over ``reader``: made anew when another thread drives
+        the node (a torchdata Prefetcher's new epoch), keeping the values that had
+        arrived; the reads still in flight on the old reader are sent again."""
+        engine = self._engine
+        if engine is not None and engine.reader is reader:
+            return engine
+        fresh = ReadAhead(reader, _key_of, self._strict, self._sizer)
+        if self.num_workers:
+            fresh.delivered = self._delivered
+        if engine is not None:
+            fresh.ready = engine.ready
+            engine.ready = {}
+            engine.forget()
+            self._retire(engine)
+        self._engine = fresh
+        self._unsent = [entry for entry in self._ahead if entry not in fresh.ready]
+        return fresh
+
+    def _retire(self, engine: ReadAhead) -> None:
+        """Keep the counters of an engine no longer used in the node's own."""
+        for name, attribute in _ENGINE_COUNTERS.items():
+            self._counts[name] += getattr(engine, attribute)
+            setattr(engine, attribute, 0)
+
+    def _all_counts(self) -> dict[str, int]:
+        """The node's counters: its own, and its engine's."""
+        counts = dict(self._counts)
+        engine = self._engine
+        if engine is not None:
+            for name, attribute in _ENGINE_COUNTERS.items():
+                counts[name] += getattr(engine, attribute)
+        return counts
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         """A deep copy is a new node: its own namespace when unnamed, its own stats
@@ -261,6 +304,7 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_rt"] = None
+        state["_engine"] = None
         state["_ahead"] = collections.deque()
         state["_unsent"] = []
         return state
@@ -291,17 +335,17 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
 
     def next(self) -> T:
         rt = self._runtime()
-        reader = rt.thread_reader()
+        engine = self._engine_for(rt.thread_reader())
         if self._broken:
-            self._repair(reader)
+            self._repair(engine)
         self._broken = True
-        self._fill(reader)
+        self._fill(engine)
         if not self._ahead:
             self._broken = False
             rt.flush(EPOCH_FLUSH_TIMEOUT)  # epoch 1's values are there for epoch 2
             raise StopIteration
         entry = self._ahead.popleft()  # an exception from here on costs this item only
-        value = self._value_of(entry, rt, reader)
+        value = self._value_of(entry, rt, engine)
         self._broken = False
         if entry.state is not None:
             self._snapshot, self._since = entry.state, 0
@@ -309,30 +353,22 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
             self._since += 1
         return value  # type: ignore[no-any-return]
 
-    def _repair(self, reader: Reader) -> None:
+    def _repair(self, engine: ReadAhead) -> None:
         """The last next() was stopped by an exception between two steps (an interrupt):
-        what its reader had on the wire and what the entries recorded may disagree. The
-        reader starts afresh and every entry whose read had not completed is sent again;
-        completed reads keep their values. The item being pulled from the source at that
-        moment, or being returned, may be lost (never another item's value returned)."""
-        reader.reset()
-        resend = []
-        for entry in self._ahead:
-            ticket = entry.ticket
-            if ticket is None or not ticket.done:
-                if ticket is not None:
-                    ticket.abandoned = True
-                entry.ticket = None
-                resend.append(entry)
-        self._unsent = resend
-        self._counts["interrupted_reads"] += 1
+        what its reader had on the wire and what the engine recorded may disagree. The
+        engine starts afresh (`ReadAhead.repair`) and every entry whose value had not
+        arrived is sent again; arrived values are kept. The item being pulled from the
+        source at that moment, or being returned, may be lost (never another item's
+        value returned)."""
+        engine.repair()
+        self._unsent = [entry for entry in self._ahead if entry not in engine.ready]
         self._broken = False
 
     # -- read-ahead ----------------------------------------------------------------------------
-    def _fill(self, reader: Reader) -> None:
-        """Pull items until ``prefetch`` are ahead; send their reads a batch at a time."""
+    def _fill(self, engine: ReadAhead) -> None:
+        """Pull items until the window is full; send their reads a batch at a time."""
         ahead = self._ahead
-        while not self._exhausted and len(ahead) < self._window:
+        while not self._exhausted and len(ahead) < engine.window:
             try:
                 item = next(self.source)
             except StopIteration:
@@ -344,37 +380,26 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
             entry = _Entry(item, self.key_for(item), state)
             ahead.append(entry)
             self._unsent.append(entry)
-            if len(self._unsent) >= self._batch:
-                self._send(reader)
-        if self._unsent and (self._exhausted or ahead[0].ticket is None):
-            self._send(reader)  # the next item must be asked for now
+            if len(self._unsent) >= engine.batch:
+                self._send(engine)
+        unsent = self._unsent
+        if unsent and (self._exhausted or unsent[0] is ahead[0]):
+            self._send(engine)  # the next item must be asked for now
 
-    def _send(self, reader: Reader) -> None:
+    def _send(self, engine: ReadAhead) -> None:
         entries, self._unsent = self._unsent, []
-        ticket = Ticket(entries, [e.key for e in entries])
-        for position, entry in enumerate(entries):
-            entry.ticket, entry.position = ticket, position
-        reader.submit(ticket)
-        self._arrived(reader.poll())
+        engine._submit(entries)
+        engine._deliver(engine.reader.poll())
 
-    def _arrived(self, tickets: list[Ticket]) -> None:
-        """Completed reads: their sizes set the window; their misses go to the workers at
-        once (computed ahead)."""
-        for ticket in tickets:
-            if ticket.abandoned or not ticket.indices:
-                continue
-            if self._sizer.learn(ticket):
-                self._window, self._batch = self._sizer.window, self._sizer.batch
+    def _delivered(self, ticket: Ticket) -> None:
+        """Misses found by read-ahead go to the workers at once (computed ahead)."""
         rt = self._rt
         pool = rt.executor() if rt is not None else None
         if pool is None:
             return
-        for ticket in tickets:
-            if ticket.abandoned:
-                continue
-            for entry, value in zip(ticket.indices, ticket.values):
-                if (value is MISSING or value is NOT_READ) and entry.future is None:
-                    entry.future = self._start_compute(pool, entry)
+        for entry, value in zip(ticket.indices, ticket.values):
+            if (value is MISSING or value is NOT_READ) and entry.future is None:
+                entry.future = self._start_compute(pool, entry)
 
     def _start_compute(self, pool: concurrent.futures.Executor, entry: _Entry
                        ) -> concurrent.futures.Future[Any]:
@@ -388,33 +413,16 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
         rt = self._runtime()
         return value, rt.cache.writer.encode_values({entry.key: value})
 
-    def _value_of(self, entry: _Entry, rt: NodeRuntime, reader: Reader) -> Any:
-        ticket = entry.ticket
-        assert ticket is not None
-        counts = self._counts
-        if not ticket.done:
-            self._arrived(reader.poll())
-        if ticket.done:
-            counts["prefetch_hits"] += 1
-        else:
-            counts["stalls"] += 1
-            started = time.perf_counter()
-            if not reader.wait(ticket):
-                ticket.abandoned = True
-                counts["stall_timeouts"] += 1
-            counts["stall_us"] += int((time.perf_counter() - started) * 1e6)
-            self._arrived(reader.poll())
-        value = MISSING if ticket.abandoned else ticket.values[entry.position]
-        if value is NOT_READ:
-            if self._strict and ticket.error is not None:
-                raise ticket.error
-            value = MISSING
-        elif type(value) is Failed:
-            raise value.error
+    def _value_of(self, entry: _Entry, rt: NodeRuntime, engine: ReadAhead) -> Any:
+        """The entry's value read ahead (waited for when still on the wire), else
+        computed (a miss). A read that failed is a miss; in raise mode it is read again
+        now, and raises if the store still fails (a fresh error, as the pipe's)."""
+        value = engine._await(entry)
+        if value is NOTHING:
+            value = engine._read_direct([entry])[0] if self._strict else MISSING
+        value = engine._result(value)
         if value is not MISSING:
-            counts["hits"] += 1
             return value
-        counts["misses"] += 1
         return self._computed(entry, rt)
 
     def _computed(self, entry: _Entry, rt: NodeRuntime) -> Any:
@@ -441,9 +449,9 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
 
     def _drop_ahead(self) -> None:
         """Forget read-ahead (a reset): reads in flight are ignored, computes cancelled."""
+        if self._engine is not None:
+            self._engine.forget()
         for entry in self._ahead:
-            if entry.ticket is not None:
-                entry.ticket.abandoned = True
             if entry.future is not None:
                 entry.future.cancel()
         self._ahead.clear()
@@ -466,7 +474,7 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
         elif rt is None or not rt.current():
             local = dict.fromkeys(CORE_COUNTERS, 0)
             local.setdefault("computed", 0)
-            for name, value in self._counts.items():
+            for name, value in self._all_counts().items():
                 local[name] = local.get(name, 0) + value
         else:
             local = rt.stats()

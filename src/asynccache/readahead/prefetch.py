@@ -5,23 +5,17 @@ Why it is built this way: docs/design.md, "The prefetcher".
 
 from __future__ import annotations
 
-import collections
 import itertools
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._sentinel import Sentinel
-from ..cache.markers import MISSING, NOT_READ, Failed
-from ..errors import CacheError, StoreTimeout
-from .readers import Reader, Ticket
-from .window import BOUNDED_REQUEST_BYTES, DEFAULT_PREFETCH_BYTES, WindowSizer
+from ..cache.markers import MISSING, Failed
+from .engine import NOTHING, ReadAhead, served
+from .readers import Reader
+from .window import DEFAULT_PREFETCH_BYTES, WindowSizer
 
 __all__ = ["COUNTERS", "Prefetcher"]
 
-
-class NOTHING(Sentinel, metaclass=Sentinel):
-    """Not in the ready buffer."""
 
 #: the counters a prefetcher reports in stats()
 COUNTERS = ("hits", "misses", "prefetch_hits", "stalls", "stall_us", "direct_reads",
@@ -35,11 +29,6 @@ STOP_AFTER = 32
 #: Reads in a row on the plan (in its order) after which stopped read-ahead resumes.
 RESUME_AFTER = 16
 
-def _served(value: Any) -> bool:
-    """A value read ahead that serves the read: not a miss, not a failure."""
-    return value is not MISSING and type(value) is not Failed
-
-
 def _repeated(plan: Sequence[Any]) -> set[Any]:
     """The indices ``plan`` holds more than once (none in a range)."""
     if isinstance(plan, range):
@@ -48,12 +37,9 @@ def _repeated(plan: Sequence[Any]) -> set[Any]:
     return {i for i in plan if i in seen or seen.add(i)}  # type: ignore[func-returns-value]
 
 
-def _drain(iterator: Any) -> None:
-    collections.deque(iterator, maxlen=0)
-
-
-class Prefetcher:
-    """Read-ahead for one consumer thread over ``reader``; keys from ``key_of(index)``.
+class Prefetcher(ReadAhead):
+    """Read-ahead along a plan for one consumer thread over ``reader``; keys from
+    ``key_of(index)`` (the engine: `ReadAhead`).
 
     ``length`` (None for datasets keyed by something else than 0..n-1) bounds
     sequential read-ahead. ``strict`` is the cache's raise mode.
@@ -62,19 +48,10 @@ class Prefetcher:
     def __init__(self, reader: Reader, key_of: Callable[[Any], bytes],
                  length: int | None, prefetch: int, strict: bool,
                  prefetch_bytes: int = DEFAULT_PREFETCH_BYTES) -> None:
-        self.reader = reader
-        self.key_of = key_of
         self.length = length
         self.prefetch = max(0, prefetch)
         self.prefetch_bytes = prefetch_bytes
-        self.sizer = WindowSizer(self.prefetch, prefetch_bytes)
-        #: the sizer's, copied here after each change: read on every item
-        self.window, self.batch = self.sizer.window, self.sizer.batch
-        #: requests carry enough bytes that a wait should do no more than it needs
-        #: (``reader.advance``); below, taking everything that arrived is cheaper
-        self.bounded = False
-        self.strict = strict
-        self.ready: dict[Any, Any] = {}
+        super().__init__(reader, key_of, strict, WindowSizer(self.prefetch, prefetch_bytes))
         #: indices the plan holds more than once (a sampler with replacement), and how
         #: many of their planned positions were passed over by a request because a read of
         #: the same index was already ready or in flight: each is requested again when its
@@ -82,7 +59,6 @@ class Prefetcher:
         self.repeats: set[Any] = set()
         self.owed: dict[Any, int] = {}
         self.again: list[Any] = []
-        self.inflight: dict[Any, Ticket] = {}
         self.plan: Sequence[Any] = ()
         self.plan_len = 0
         self.pos = 0          # plan position of the next expected index
@@ -94,15 +70,12 @@ class Prefetcher:
         #: the plan is a guess that its first read has not confirmed yet; ``tentative``:
         #: one of the next epoch, read ahead a batch only until then
         self.guessed = self.tentative = False
-        self.generation = 0
         self.last_index: Any = None
         #: set (by any thread) when the pipe's order changed: re-planned at the next read
         #: that is not a plain in-order hit, by ``follow_order(self)``
         self.stale_order = False
         self.follow_order: Callable[[], tuple[Sequence[Any], Callable[[Any], list[Any]]]
                                     | None] | None = None
-        self.hits = self.misses = self.prefetch_hits = 0
-        self.stalls = self.stall_us = self.direct_reads = self.wasted = self.stall_timeouts = 0
         #: in-order reads served from the buffer: the one counter the fast path touches
         #: (``fast_specials`` of them were misses or failures, counted on the slow path)
         self.fast_reads = self.fast_specials = 0
@@ -111,12 +84,6 @@ class Prefetcher:
         self.slow_reads = 0
         self.epoch_len = 0  # reads per epoch of the order followed; 0: no order
         self.epoch_start = 0
-        self.epoch = 0  # turns of the clock so far (requests carry the one they were sent in)
-        #: A call into this prefetcher is under way, or one was stopped by an exception
-        #: between two of its steps (an interrupt, a signal handler's exception, a raise
-        #: mode error): the next call repairs the state first (`repair()`).
-        self.broken = False
-        self.interrupted = 0  # repairs made (the stats' ``interrupted_reads``)
         #: An order followed whose reads keep landing off the plan (a sampler with an RNG
         #: of its own): read-ahead stops (``stopped``) after STOP_AFTER such reads in a
         #: row, and resumes after RESUME_AFTER reads in a row that the plan foresaw.
@@ -136,42 +103,18 @@ class Prefetcher:
     @property
     def counts(self) -> dict[str, int]:
         fast = self.fast_reads
-        served = fast - self.fast_specials  # the fast path's misses and failures are not
-        return {"hits": self.hits + served, "misses": self.misses,
-                "prefetch_hits": self.prefetch_hits + served, "stalls": self.stalls,
+        plain = fast - self.fast_specials  # the fast path's misses and failures are not
+        return {"hits": self.hits + plain, "misses": self.misses,
+                "prefetch_hits": self.prefetch_hits + plain, "stalls": self.stalls,
                 "stall_us": self.stall_us, "direct_reads": self.direct_reads,
                 "prefetch_wasted": self.wasted, "stall_timeouts": self.stall_timeouts,
                 "interrupted_reads": self.interrupted, "readahead_stopped": self.times_stopped}
 
-    # -- interrupts -------------------------------------------------------------------------
-    def _guarded(self, step: Callable[..., Any], *args: Any) -> Any:
-        """Run one consumer call's ``step``: ``broken`` while it runs, so that an
-        exception at any bytecode inside it (a signal handler's, ``KeyboardInterrupt``)
-        leaves a state the next call recognises. The exception itself goes to the
-        caller unchanged."""
-        if self.broken:
-            self.repair()
-        self.broken = True
-        result = step(*args)
-        self.broken = False
-        return result
-
-    def repair(self) -> None:
-        """Start afresh after a call that did not finish: every read in flight is
-        forgotten (its replies are dropped with the consumer's connections, a loop-side
-        one is ignored when it completes), and the plan is requested again from where
-        the consumer is. Values already in the buffer are kept: each is whole. Idempotent,
-        so an interrupt inside it only means the next call repairs again."""
-        self.generation += 1  # a ticket sent before is never delivered
-        for ticket in self.inflight.values():
-            ticket.abandoned = True
-        self.inflight.clear()
-        self.reader.reset()
+    def _repaired(self) -> None:
+        """After `repair()`: the plan is requested again from where the consumer is."""
         self.requested = min(self.requested, self.pos)
         self._rewound()
         self.again.clear()
-        self.interrupted += 1
-        self.broken = False
 
     # -- plan -----------------------------------------------------------------------------
     def follow(self, plan: Sequence[Any], replan: Callable[[Any], list[Any]]) -> None:
@@ -319,27 +262,6 @@ class Prefetcher:
             self.owed[index] = owed - 1
             self.again.append(index)
 
-    def _submit(self, indices: list[Any], direct: bool = False) -> Ticket:
-        key_of = self.key_of
-        try:
-            keys = [key_of(i) for i in indices]
-        except CacheError:  # an index the key scheme refuses: leave it to the direct read
-            if direct:
-                raise
-            pairs = []
-            for i in indices:
-                try:
-                    pairs.append((i, key_of(i)))
-                except CacheError:
-                    continue
-            indices, keys = [i for i, _ in pairs], [k for _, k in pairs]
-        ticket = Ticket(indices, keys, direct=direct, generation=self.generation)
-        ticket.epoch = self.epoch
-        if not direct:
-            self.inflight.update(dict.fromkeys(indices, ticket))
-        self.reader.submit(ticket)
-        return ticket
-
     def _advance(self, index: Any) -> bool:
         """Move the plan past ``index``; False when the plan does not go there."""
         plan, pos = self.plan, self.pos
@@ -414,124 +336,6 @@ class Prefetcher:
         if self.length is not None and last + 1 < self.length:
             self._set_plan(range(last + 1, self.length))
 
-    # -- deliveries -------------------------------------------------------------------------
-    def _deliver(self, tickets: list[Ticket]) -> None:
-        """Move completed read-ahead into the ready buffer; drop what was not read."""
-        generation, ready, inflight = self.generation, self.ready, self.inflight
-        for ticket in tickets:
-            if self.sizer.learn(ticket):
-                self._resized()
-            if ticket.direct or ticket.abandoned or ticket.generation != generation:
-                continue
-            if ticket.epoch != self.epoch:  # sent before the clock turned: hits only
-                self._deliver_hits(ticket)
-                continue
-            _drain(map(inflight.pop, ticket.indices, itertools.repeat(None)))
-            if ticket.partial:
-                ready.update((i, v) for i, v in zip(ticket.indices, ticket.values)
-                             if v is not NOT_READ)
-            else:
-                ready.update(zip(ticket.indices, ticket.values))
-
-    def _deliver_hits(self, ticket: Ticket) -> None:
-        ready, inflight = self.ready, self.inflight
-        for index, value in zip(ticket.indices, ticket.values):
-            if inflight.get(index) is not ticket:
-                continue
-            del inflight[index]
-            if value is MISSING or value is NOT_READ or type(value) is Failed:
-                self.wasted += 1  # read again when it comes (directly)
-            else:
-                ready[index] = value
-
-    def _resized(self) -> None:
-        sizer = self.sizer
-        self.window, self.batch = sizer.window, sizer.batch
-        self.bounded = sizer.item_bytes * sizer.batch >= BOUNDED_REQUEST_BYTES
-
-    @property
-    def item_bytes(self) -> float:
-        return self.sizer.item_bytes
-
-    @property
-    def value_bytes(self) -> float:
-        return self.sizer.value_bytes
-
-    def _abandon(self, ticket: Ticket) -> None:
-        """The ticket missed its deadline: forget it (a late result is ignored)."""
-        ticket.abandoned = True
-        self.stall_timeouts += 1
-        inflight = self.inflight
-        for index in ticket.indices:
-            if inflight.get(index) is ticket:
-                del inflight[index]
-        if ticket.error is None:
-            ticket.error = StoreTimeout("a read did not complete within its deadline")
-
-    def _await(self, index: Any) -> Any:
-        """The value of ``index`` if it is in flight (waiting for it); ``NOTHING`` if it
-        was never requested or its read failed (fallback; raise mode raises)."""
-        ticket = self.inflight.get(index)
-        if ticket is None:  # never requested, or delivered by an earlier wait
-            value = self.ready.pop(index, NOTHING)
-            if value is not NOTHING and _served(value):
-                self.prefetch_hits += 1
-            return value
-        reader = self.reader
-        if not ticket.done:
-            self._deliver(reader.advance(ticket) if self.bounded else reader.poll())
-        stalled = not ticket.done
-        if stalled:  # not here yet: a real stall
-            self.stalls += 1
-            started = time.perf_counter()
-            if not reader.wait(ticket):
-                self._abandon(ticket)
-            self.stall_us += int((time.perf_counter() - started) * 1e6)
-        self._deliver(reader.advance(ticket) if self.bounded else reader.poll())
-        value = self.ready.pop(index, NOTHING)
-        if value is NOTHING:
-            if self.strict and ticket.error is not None:
-                raise ticket.error
-        elif not stalled and _served(value):
-            self.prefetch_hits += 1  # it had arrived: only its parsing was deferred
-        return value
-
-    def _read_direct(self, indices: list[Any]) -> list[Any]:
-        """Values for indices nobody requested yet (or whose read failed): one request,
-        waited for. ``MISSING`` where absent or not readable (raise mode raises)."""
-        return self._end_direct(self._start_direct(indices))
-
-    def _start_direct(self, indices: list[Any]) -> Ticket:
-        """Send the request of `_read_direct()` (read-ahead sent after it queues
-        behind it, not in front: one round trip for both)."""
-        self.direct_reads += len(indices)
-        return self._submit(indices, direct=True)
-
-    def _end_direct(self, ticket: Ticket) -> list[Any]:
-        indices = ticket.indices
-        if not ticket.done and not self.reader.wait(ticket):
-            self._abandon(ticket)
-        self._deliver(self.reader.poll())  # read-ahead that completed meanwhile
-        if ticket.abandoned:
-            if self.strict:
-                raise ticket.error  # type: ignore[misc]
-            return [MISSING] * len(indices)
-        values = ticket.values
-        if ticket.partial:
-            if self.strict and ticket.error is not None:
-                raise ticket.error
-            values = [MISSING if v is NOT_READ else v for v in values]
-        return values
-
-    def _result(self, value: Any) -> Any:
-        if value is MISSING:
-            self.misses += 1
-        elif type(value) is Failed:
-            raise value.error
-        else:
-            self.hits += 1
-        return value
-
     def _special_in_order(self, index: Any, value: Any) -> Any:
         """The fast path's miss or failure (already counted as a fast read): read again
         if the epoch clock turns with this read, else as buffered."""
@@ -598,7 +402,7 @@ class Prefetcher:
             self._after(index, self._advance(index), in_order)
             if value is MISSING:  # out of plan order: it may be older than a write since
                 return self._result(self._read_direct([index])[0])
-            self.prefetch_hits += _served(value)
+            self.prefetch_hits += served(value)
             return self._result(value)
         self._refresh_order()
         self._count_slow(1)
@@ -650,7 +454,7 @@ class Prefetcher:
             value = out[n]
             if value is MISSING and not in_order[n]:
                 out[n] = NOTHING  # out of plan order: it may be older than a write since
-            elif value is not NOTHING and _served(value):
+            elif value is not NOTHING and served(value):
                 self.prefetch_hits += 1
         todo = []
         for n, value in enumerate(out):
@@ -685,9 +489,3 @@ class Prefetcher:
         for index in [i for i in self.ready if i not in upcoming]:
             if self.ready.pop(index, NOTHING) is not NOTHING:
                 self.wasted += 1
-
-    def close(self) -> None:
-        """Release the reader (in-flight read-ahead is dropped)."""
-        self.reader.close()
-        self.inflight.clear()
-        self.ready.clear()
