@@ -106,6 +106,10 @@ class ReadAhead:
         """What a user of the engine resets after `repair()` (the pipe: its plan's
         requested positions)."""
 
+    def _taken(self) -> int:
+        """Items the consumer has taken so far (the window follows its rate)."""
+        return self.hits + self.misses
+
     def forget(self) -> None:
         """Drop every request in flight (abandoned: a late reply is ignored) and every
         value ready: the consumer starts again (the node's reset)."""
@@ -141,8 +145,10 @@ class ReadAhead:
     def _deliver(self, tickets: list[Ticket]) -> None:
         """Move completed read-ahead into the ready buffer; drop what was not read."""
         generation, ready, inflight = self.generation, self.ready, self.inflight
+        now = time.perf_counter() if tickets else 0.0
         for ticket in tickets:
-            if self.sizer.learn(ticket):
+            if self.sizer.learn(ticket) | (not ticket.direct and self.sizer.timed(
+                    now, self._taken(), self.stalls, len(ready))):
                 self._resized()
             if ticket.direct or ticket.abandoned or ticket.generation != generation:
                 continue

@@ -110,6 +110,9 @@ class Prefetcher(ReadAhead):
                 "prefetch_wasted": self.wasted, "stall_timeouts": self.stall_timeouts,
                 "interrupted_reads": self.interrupted, "readahead_stopped": self.times_stopped}
 
+    def _taken(self) -> int:
+        return self.fast_reads + self.slow_reads
+
     def _repaired(self) -> None:
         """After `repair()`: the plan is requested again from where the consumer is."""
         self.requested = min(self.requested, self.pos)
