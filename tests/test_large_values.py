@@ -192,7 +192,7 @@ def test_a_consumer_away_longer_than_the_timeout_gets_its_read_ahead(
     values = _values(64, size)
     source = Computed(values)
     pipe = ac.AsyncKVCacheMapDataPipe(source, ac.connect(server.url, timeout=0.3),
-                                      prefetch=64, prefetch_bytes=64 << 20,
+                                      prefetch=64, readahead_bytes=64 << 20,
                                       namespace=namespace)
     try:
         _warm(pipe, len(values))

@@ -227,7 +227,7 @@ def test_bad_arguments(ds: Dataset) -> None:
 
 def test_large_values_are_read_ahead_in_byte_bounded_requests(redis_server: Any,
                                                               namespace: str) -> None:
-    """64 KiB values with prefetch_bytes=512 KiB: requests of one value (1/8 of it is
+    """64 KiB values with readahead_bytes=512 KiB: requests of one value (1/8 of it is
     less than one encoded value), at most 8 values ahead, instead of 32-value requests;
     values still right."""
     n = 64
@@ -242,7 +242,7 @@ def test_large_values_are_read_ahead_in_byte_bounded_requests(redis_server: Any,
     warm.__getitems__(list(range(n)))
     warm.close()
     node = CachedMapper(SamplerWrapper(SequentialSampler(range(n))), big, client,
-                        namespace=namespace, prefetch=64, prefetch_bytes=512 * 1024)
+                        namespace=namespace, prefetch=64, readahead_bytes=512 * 1024)
     got = list(Loader(node))
     stats = node.stats()
     window = (node._sizer.window, node._sizer.batch)

@@ -67,11 +67,13 @@ class ReadPath:
         return result.values, error
 
     def decode(self, store_keys: Sequence[bytes], blobs: Sequence[Any],
-               second_look: bool = False) -> tuple[list[Any], dict[int, ChunkManifest], int]:
+               second_look: bool = False
+               ) -> tuple[list[Any], dict[int, ChunkManifest], int, int]:
         """Decode one multi-get reply: a value per key (``MISSING`` for absent or unusable
         bytes, ``NOT_READ`` passed through, `Failed` in raise mode), the chunk manifests
-        still to resolve, and the bytes the reply carried (what read-ahead sizes its
-        requests by). No I/O: any thread may call it. ``second_look``: keys this process
+        still to resolve, the bytes the reply carried and its largest value's (what
+        read-ahead sizes its window by: the mean, and the largest for the memory
+        budget). No I/O: any thread may call it. ``second_look``: keys this process
         read a moment ago (see `Leases.claim()`); bytes that fail to decode were counted and
         logged then, and are a plain ``MISSING`` now."""
         cache = self.cache
@@ -79,14 +81,17 @@ class ReadPath:
         manifests: dict[int, ChunkManifest] = {}
         decode = cache.codec.decode
         l1 = cache.l1
-        nbytes = 0
+        nbytes = largest = 0
         for i, blob in enumerate(blobs):
             if blob is None:
                 continue
             if blob is NOT_READ:
                 out[i] = NOT_READ
                 continue
-            nbytes += len(blob)
+            size = len(blob)
+            nbytes += size
+            if size > largest:
+                largest = size
             try:
                 value = decode(blob, store_keys[i])
             except DecodeError as exc:
@@ -99,7 +104,7 @@ class ReadPath:
                 if l1 is not None:
                     l1.put(store_keys[i], bytes(blob))
         cache.counters.shard()["bytes_read"] += nbytes
-        return out, manifests, nbytes
+        return out, manifests, nbytes, largest
 
     def from_l1(self, store_keys: Sequence[bytes]) -> tuple[list[Any], list[int]]:
         """Values the L1 tier holds (decoded afresh, ``NOT_READ`` where it has none) and
@@ -134,12 +139,14 @@ class ReadPath:
             return Failed(error)
         return MISSING
 
-    async def values(self, store_keys: Sequence[bytes], sizes: list[int] | None = None,
+    async def values(self, store_keys: Sequence[bytes],
+                     sizes: list[tuple[int, int]] | None = None,
                      second_look: bool = False) -> tuple[list[Any], StoreError | None]:
         """Decoded values (or markers) and the first store failure: the whole read path
         of the loop thread; never raises for the store. Keys the L1 tier holds are not
-        asked for. ``sizes`` gets the bytes the store's reply carried appended (read-ahead
-        sizes its requests by them). ``second_look``: see `decode()`."""
+        asked for. ``sizes`` gets the bytes the store's reply carried and its largest
+        value's appended (read-ahead sizes its requests by them). ``second_look``: see
+        `decode()`."""
         if self.cache.l1 is not None:
             values, missing = self.from_l1(store_keys)
             if not missing:
@@ -152,12 +159,13 @@ class ReadPath:
                 return values, error
         return await self.from_store(store_keys, sizes, second_look)
 
-    async def from_store(self, store_keys: Sequence[bytes], sizes: list[int] | None = None,
+    async def from_store(self, store_keys: Sequence[bytes],
+                         sizes: list[tuple[int, int]] | None = None,
                          second_look: bool = False) -> tuple[list[Any], StoreError | None]:
         blobs, error = await self.blobs(store_keys)
-        values, manifests, nbytes = self.decode(store_keys, blobs, second_look)
+        values, manifests, nbytes, largest = self.decode(store_keys, blobs, second_look)
         if sizes is not None:
-            sizes.append(nbytes)
+            sizes.append((nbytes, largest))
         if manifests:
             await chunks.resolve(self, store_keys, manifests, values, second_look)
         return values, error

@@ -199,7 +199,7 @@ class _Share:
         if not keys:
             return set()
         blobs = await self.client.get_many(keys)
-        values, manifests, _nbytes = self.cache.reads.decode(keys, blobs)
+        values, manifests, _nbytes, _largest = self.cache.reads.decode(keys, blobs)
         found = {key for key, value in zip(keys, values)
                  if value is not MISSING and type(value) is not Failed}
         if manifests:

@@ -27,7 +27,7 @@ from ..store.api import BaseClient
 from . import order as orders
 from .prefetch import Prefetcher
 from .runtime import ProcessRuntime, Reports, deep_copy_as_new
-from .window import DEFAULT_PREFETCH_BYTES
+from .window import Budget, readahead_budget
 
 logger = logging.getLogger("asynccache")
 
@@ -70,6 +70,8 @@ class PipeRuntime(ProcessRuntime):
         #: ``0 <= i < fast_length`` means "an int index needing no normalization"
         self.fast_length = self.length if pipe._mapping is None else -1
         self.local = threading.local()
+        #: the read-ahead's memory in this process, shared by the threads' windows
+        self.budget = Budget(pipe.readahead_bytes)
         #: every thread's prefetcher (for stats and close); ended threads' are folded
         self.prefetchers: list[tuple[weakref.ref[threading.Thread], Prefetcher]] = []
         self.retired = Prefetcher.zero_counts()
@@ -99,7 +101,7 @@ class PipeRuntime(ProcessRuntime):
         # prefetch is per node: a batch spread over a cluster's or a pool's nodes keeps
         # each node's share as large as one server's (the bytes bound still holds)
         p = Prefetcher(reader, pipe.keyspace.key, length, pipe.prefetch * reader.fanout,
-                       self.cache.policy.strict, pipe.prefetch_bytes)
+                       self.cache.policy.strict, self.budget)
         p.follow_order = pipe._follow_order
         p.on_stop = self._order_not_followed
         p.stale_order = True  # its first read follows the pipe's order
@@ -186,8 +188,9 @@ class AsyncKVCacheMapDataPipe(_Base):
         client: a store client from `asynccache.connect()`: picklable configuration,
             it connects lazily in each process (DataLoader workers included).
         prefetch: upcoming indices read ahead per reading thread (per node of a pool or
-            cluster); grown up to 4x for small values, bounded by ``prefetch_bytes``;
-            0 turns read-ahead off.
+            cluster); grown up to 4x for small values and for a store far away (while
+            the consumer waits and more in flight makes it faster), within
+            ``readahead_bytes``; 0 turns read-ahead off.
         namespace: the versioned name values are stored under (``"imagenet-v3"``), to
             reuse them across runs and jobs. Without one the pipe gets a namespace of
             its own, shared by its copies only, whose values expire after a day.
@@ -203,7 +206,11 @@ class AsyncKVCacheMapDataPipe(_Base):
             wait for its value. Must outlast a batch's computations.
         l1_bytes: an in-process LRU of this many bytes of encoded values in front of the
             store (hits counted as ``l1_hits``).
-        prefetch_bytes: the read-ahead window's bound in bytes per reading thread.
+        readahead_bytes: the read-ahead's memory budget in this process (values in
+            flight and arrived, shared by the threads reading at once; default 32 MiB).
+            Each item counts at the largest size recent replies showed, so a mix of
+            small and large values stays within it. ``prefetch_bytes=`` is its former
+            name.
 
     Example:
         >>> import asynccache as ac
@@ -228,7 +235,8 @@ class AsyncKVCacheMapDataPipe(_Base):
         *,
         lease: float | None = None,
         l1_bytes: int | None = None,
-        prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
+        readahead_bytes: int | None = None,
+        prefetch_bytes: int | None = None,
     ) -> None:
         if not hasattr(source, "__getitem__") or not hasattr(source, "__len__"):
             raise ConfigError(
@@ -237,15 +245,13 @@ class AsyncKVCacheMapDataPipe(_Base):
             )
         if type(prefetch) is not int or prefetch < 0:
             raise ConfigError(f"prefetch must be an int >= 0, got {prefetch!r}")
-        if type(prefetch_bytes) is not int or prefetch_bytes <= 0:
-            raise ConfigError(f"prefetch_bytes must be an int > 0 (bytes of read-ahead per "
-                              f"reading thread), got {prefetch_bytes!r}")
+        budget = readahead_budget(readahead_bytes, prefetch_bytes)
         # settings are checked here, in the caller, not later in a DataLoader worker
         check_settings(client, on_error, lease, l1_bytes)
         self.source = source
         self.client = client
         self.prefetch = prefetch
-        self.prefetch_bytes = prefetch_bytes
+        self.readahead_bytes = budget
         self.ttl = check_ttl(ttl)
         #: the namespace and its key rule; without namespace= one unique to this pipe
         self.keyspace = Keyspace(namespace, owner="an async_kv_cache pipe")

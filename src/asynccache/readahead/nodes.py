@@ -28,7 +28,7 @@ from ..store.api import BaseClient
 from .engine import NOTHING, ReadAhead
 from .readers import Reader, Ticket
 from .runtime import ProcessRuntime, Reports, deep_copy_as_new
-from .window import DEFAULT_PREFETCH_BYTES, WINDOW_GROWTH, WindowSizer
+from .window import WINDOW_GROWTH, WindowSizer, readahead_budget
 
 try:
     from torch.utils.data import IterableDataset, get_worker_info
@@ -142,8 +142,8 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
         map_fn: computes an item's value on a miss.
         client: a store client from `asynccache.connect()`.
         prefetch: items pulled ahead from the source and read from the store in batches
-            (0: one item at a time), bounded in bytes too by ``prefetch_bytes`` (learned
-            from the sizes read, as the pipe's read-ahead).
+            (0: one item at a time), grown as the pipe's for small values and a store
+            far away, within ``readahead_bytes`` (learned from the sizes read).
         namespace: the versioned name values are stored under; the same keys as a pipe
             with the same namespace. Without one the node gets a namespace of its own,
             whose values expire after a day.
@@ -167,7 +167,9 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
             the source itself is expensive to run forward.
         l1_bytes: an in-process LRU of this many bytes of encoded values in front of the
             store.
-        prefetch_bytes: the read-ahead window's bound in bytes.
+        readahead_bytes: the read-ahead's memory budget in this process (values in
+            flight and arrived; default 32 MiB), as the pipe's. ``prefetch_bytes=`` is
+            its former name.
     """
 
     SNAPSHOT_KEY = "snapshot"
@@ -190,7 +192,8 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
         multiprocessing_context: str | None = None,
         snapshot_frequency: int = 64,
         l1_bytes: int | None = None,
-        prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
+        readahead_bytes: int | None = None,
+        prefetch_bytes: int | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(source, BaseNode):
@@ -199,8 +202,7 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
         if not callable(map_fn):
             raise ConfigError(f"map_fn must be callable, got {type(map_fn).__name__}")
         for name, value, low in (("prefetch", prefetch, 0), ("num_workers", num_workers, 0),
-                                 ("snapshot_frequency", snapshot_frequency, 1),
-                                 ("prefetch_bytes", prefetch_bytes, 1)):
+                                 ("snapshot_frequency", snapshot_frequency, 1)):
             if type(value) is not int or value < low:
                 raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
         if method not in ("thread", "process"):
@@ -227,10 +229,10 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
         self._strict = on_error == "raise"
         # read-ahead bounded in bytes too, as the pipe's (see readahead.prefetch): a small
         # first window until a reply shows the sizes, then sized by them
-        self.prefetch_bytes = prefetch_bytes
+        self.readahead_bytes = readahead_budget(readahead_bytes, prefetch_bytes)
         self._prefetch = max(1, prefetch)
         growth = WINDOW_GROWTH if prefetch > 0 else 1  # 0: one item at a time
-        self._sizer = WindowSizer(self._prefetch, prefetch_bytes, growth)
+        self._sizer = WindowSizer(self._prefetch, self.readahead_bytes, growth)
         #: the read-ahead engine of the thread driving the node (`_engine_for`)
         self._engine: ReadAhead | None = None
         self._rt: NodeRuntime | None = None

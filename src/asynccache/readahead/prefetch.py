@@ -12,7 +12,7 @@ from typing import Any
 from ..cache.markers import MISSING, Failed
 from .engine import NOTHING, ReadAhead, served
 from .readers import Reader
-from .window import DEFAULT_PREFETCH_BYTES, WindowSizer
+from .window import DEFAULT_READAHEAD_BYTES, Budget, WindowSizer
 
 __all__ = ["COUNTERS", "Prefetcher"]
 
@@ -47,11 +47,10 @@ class Prefetcher(ReadAhead):
 
     def __init__(self, reader: Reader, key_of: Callable[[Any], bytes],
                  length: int | None, prefetch: int, strict: bool,
-                 prefetch_bytes: int = DEFAULT_PREFETCH_BYTES) -> None:
+                 budget: int | Budget = DEFAULT_READAHEAD_BYTES) -> None:
         self.length = length
         self.prefetch = max(0, prefetch)
-        self.prefetch_bytes = prefetch_bytes
-        super().__init__(reader, key_of, strict, WindowSizer(self.prefetch, prefetch_bytes))
+        super().__init__(reader, key_of, strict, WindowSizer(self.prefetch, budget))
         #: indices the plan holds more than once (a sampler with replacement), and how
         #: many of their planned positions were passed over by a request because a read of
         #: the same index was already ready or in flight: each is requested again when its

@@ -34,8 +34,8 @@ class Ticket:
     """One read of a batch of keys, from submission to its values."""
 
     __slots__ = ("abandoned", "arrived", "deadline", "direct", "done", "epoch", "error",
-                 "generation", "indices", "keys", "nbytes", "parent", "partial", "remaining",
-                 "values")
+                 "generation", "indices", "keys", "largest", "nbytes", "parent", "partial",
+                 "remaining", "values")
 
     def __init__(self, indices: list[Any], keys: list[bytes], *, direct: bool = False,
                  generation: int = 0) -> None:
@@ -52,6 +52,7 @@ class Ticket:
         self.deadline = 0.0
         self.remaining = 0            # parts still on the wire (SocketReader)
         self.nbytes = 0               # bytes the store's replies carried (set when done)
+        self.largest = 0              # the largest value's bytes among them
         #: (the ticket this one reads the rest of, positions there): L1Reader
         self.parent: tuple[Ticket, list[int]] | None = None
         #: held until the loop thread completed it (LoopReader; see LoopReader.wait)
@@ -289,7 +290,8 @@ class SocketReader(Reader):
 
     def _finish(self, ticket: Ticket) -> None:
         cache = self.cache
-        values, manifests, ticket.nbytes = cache.reads.decode(ticket.keys, ticket.values)
+        values, manifests, ticket.nbytes, ticket.largest = cache.reads.decode(ticket.keys,
+                                                                              ticket.values)
         if manifests:  # chunked values: their chunks come through the core's loop
             try:
                 self.loop.call(chunks.resolve(cache.reads, ticket.keys, manifests, values),
@@ -341,9 +343,10 @@ class LoopReader(Reader):
     async def _read(self, ticket: Ticket) -> None:  # loop thread
         values: list[Any] | None = None
         try:
-            sizes: list[int] = []
+            sizes: list[tuple[int, int]] = []
             values, ticket.error = await self.cache.reads.values(ticket.keys, sizes)
-            ticket.nbytes = sum(sizes)
+            ticket.nbytes = sum(nbytes for nbytes, _ in sizes)
+            ticket.largest = max((largest for _, largest in sizes), default=0)
         except CacheError as exc:  # e.g. a key the policy refused; never lose the ticket
             ticket.error = exc
         except Exception as exc:  # an asynccache bug must not hang the consumer
@@ -429,6 +432,7 @@ class L1Reader(Reader):
         parent.error = ticket.error
         parent.partial = ticket.partial
         parent.nbytes = ticket.nbytes  # what crossed the wire (L1 hits did not)
+        parent.largest = ticket.largest
         parent.done = True
         return parent
 

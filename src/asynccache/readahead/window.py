@@ -4,16 +4,34 @@ bytes replies carry. The one sizing rule of the pipe's prefetcher and the torchd
 
 from __future__ import annotations
 
+import collections
 import itertools
 import operator
+import weakref
 
 from ..cache.markers import MISSING, NOT_READ
+from ..errors import ConfigError
 from .readers import Ticket
 
-__all__ = ["BOUNDED_REQUEST_BYTES", "DEFAULT_PREFETCH_BYTES", "FIRST_BATCH", "FIRST_WINDOW",
-           "GROWN_SAMPLE", "SMALL_WINDOW_BYTES", "WINDOW_GROWTH", "WindowSizer",
-           "batch_size_for", "full_window", "learned", "sized_window", "small_item_bytes",
-           "values_found"]
+__all__ = [
+    "BOUNDED_REQUEST_BYTES",
+    "DEFAULT_PREFETCH_BYTES",
+    "DEFAULT_READAHEAD_BYTES",
+    "FIRST_BATCH",
+    "FIRST_WINDOW",
+    "GROWN_SAMPLE",
+    "SMALL_WINDOW_BYTES",
+    "WINDOW_GROWTH",
+    "Budget",
+    "WindowSizer",
+    "batch_size_for",
+    "full_window",
+    "learned",
+    "readahead_budget",
+    "sized_window",
+    "small_item_bytes",
+    "values_found",
+]
 
 #: Smallest and largest read-ahead request, in keys. Each request costs ~60–90 µs of
 #: client CPU whatever its size, so batches are as large as the window allows.
@@ -27,11 +45,12 @@ MAX_BATCH = 256
 #: The window (in flight + ready) holds about ``prefetch_bytes``; one request carries
 #: about ``prefetch_bytes / REQUESTS_PER_WINDOW`` (at least one value: a single 50 MiB
 #: value is still read, alone).
-DEFAULT_PREFETCH_BYTES = 32 << 20
+DEFAULT_READAHEAD_BYTES = DEFAULT_PREFETCH_BYTES = 32 << 20
 REQUESTS_PER_WINDOW = 32
 #: Until a reply has shown how large values are, the window starts this small, in
 #: requests this small (a few extra round trips once per consumer thread, instead of
-#: 2 × 32 values of unknown size, and a first value behind at most 3 others).
+#: 2 × 32 values of unknown size, and a first value behind at most 3 others). The
+#: budget holds from the first reply on (values of unknown size cannot be bounded).
 FIRST_WINDOW = 16
 FIRST_BATCH = 4
 #: From this many bytes per request on, a read that waits parses and decodes no further
@@ -101,16 +120,19 @@ def small_item_bytes(prefetch: int, prefetch_bytes: int, growth: int = WINDOW_GR
 
 
 def sized_window(prefetch: int, prefetch_bytes: int, item_bytes: float,
-                 growth: int = WINDOW_GROWTH, value_bytes: float = 0.0) -> tuple[int, int]:
+                 growth: int = WINDOW_GROWTH, value_bytes: float = 0.0,
+                 high_bytes: float = 0.0) -> tuple[int, int]:
     """(window, batch) in items for ``prefetch`` items of ``item_bytes`` on average,
     bounded by ``prefetch_bytes`` (and grown past ``prefetch``, up to ``growth`` times
     it, while the window would hold at most ``SMALL_WINDOW_BYTES`` if every item were a
     value of ``value_bytes``: the size of the values found, which misses do not dilute,
     so a cold epoch of large values does not grow a window the warm one then fills);
+    the bytes bound counts each item at ``high_bytes`` when larger (the largest per-item
+    size of recent replies: a mix of sizes is bounded by its large values);
     ``item_bytes <= 0``: nothing known, items only."""
     window = prefetch
     if item_bytes > 0 and prefetch > 0:
-        window = max(1, min(prefetch, int(prefetch_bytes // item_bytes)))
+        window = max(1, min(prefetch, int(prefetch_bytes // max(item_bytes, high_bytes))))
         if window == prefetch and growth > 1:
             per_value = max(item_bytes, value_bytes)
             small = int(min(SMALL_WINDOW_BYTES, prefetch_bytes) // per_value)
@@ -132,6 +154,41 @@ def values_found(ticket: Ticket) -> int:
     return len(values) - missing
 
 
+#: the window's bound in bytes follows the largest value of this many recent replies,
+#: not their average: a mix of 1 KiB and 4 MiB values averages 2 MiB, and a window of
+#: 2 MiB items may hold twice its budget when it happens to hold 4 MiB ones
+HIGH_SAMPLES = 32
+
+
+def readahead_budget(readahead_bytes: int | None, prefetch_bytes: int | None) -> int:
+    """The ``readahead_bytes=`` of a pipe or node, checked (``prefetch_bytes=`` is its
+    former name, still accepted)."""
+    if readahead_bytes is not None and prefetch_bytes is not None:
+        raise ConfigError("give readahead_bytes= only (prefetch_bytes= is its former name)")
+    value = readahead_bytes if readahead_bytes is not None else prefetch_bytes
+    if value is None:
+        return DEFAULT_READAHEAD_BYTES
+    if type(value) is not int or value <= 0:
+        raise ConfigError(f"readahead_bytes must be an int > 0 (bytes of read-ahead per "
+                          f"process, e.g. 64 << 20), got {value!r}")
+    return value
+
+
+class Budget:
+    """The read-ahead's memory budget of one pipe or node in one process
+    (``readahead_bytes``), shared evenly by the windows reading it at once (one per
+    consumer thread; a window whose thread ended leaves the count by itself)."""
+
+    __slots__ = ("nbytes", "windows")
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.windows: weakref.WeakSet[WindowSizer] = weakref.WeakSet()
+
+    def share(self) -> int:
+        return max(1, self.nbytes // max(1, len(self.windows)))
+
+
 class WindowSizer:
     """A read-ahead window and its requests, in items, sized by the bytes replies carry.
 
@@ -143,21 +200,28 @@ class WindowSizer:
     the window is full, except one reply in ``GROWN_SAMPLE`` to a grown window.
     """
 
-    __slots__ = ("_base", "_full_batch", "_full_window", "_grown_rate", "_period_at",
-                 "_period_stalls", "_period_taken", "_small_item", "batch", "extra", "growth",
-                 "item_bytes", "prefetch", "prefetch_bytes", "rate", "samples",
-                 "value_bytes", "window")
+    __slots__ = ("__weakref__", "_base", "_full_batch", "_full_window", "_grown_rate",
+                 "_highs", "_period_at", "_period_stalls", "_period_taken", "_small_item",
+                 "batch", "budget", "extra", "growth", "high_bytes", "item_bytes", "prefetch",
+                 "rate", "samples", "value_bytes", "window")
 
-    def __init__(self, prefetch: int, prefetch_bytes: int,
+    def __init__(self, prefetch: int, budget: int | Budget,
                  growth: int = WINDOW_GROWTH) -> None:
         self.prefetch = max(0, prefetch)
-        self.prefetch_bytes = prefetch_bytes
+        #: the bytes bound: this window's share of its pipe's or node's budget
+        self.budget = budget if isinstance(budget, Budget) else Budget(budget)
+        self.budget.windows.add(self)
+        prefetch_bytes = self.budget.share()
         self.growth = growth
         #: bytes per item the replies carried (moving average; misses count as 0 bytes,
         #: so it is what an item costs in flight for the current mix); 0: not known yet
         self.item_bytes = 0.0
         #: bytes per value found (misses not counted): what sizes the small-value growth
         self.value_bytes = 0.0
+        #: the largest value of the last HIGH_SAMPLES replies: what the bytes bound
+        #: counts each item as (a reader that cannot tell: the reply's mean)
+        self.high_bytes = 0.0
+        self._highs: collections.deque[float] = collections.deque(maxlen=HIGH_SAMPLES)
         self.samples = 0  # replies to a grown window
         self.window = min(self.prefetch, FIRST_WINDOW)
         self.batch = min(batch_size_for(self.window), FIRST_BATCH)
@@ -188,8 +252,10 @@ class WindowSizer:
         self.item_bytes = learned(self.item_bytes, nbytes, len(ticket.indices))
         if nbytes:
             self.value_bytes = learned(self.value_bytes, nbytes, values_found(ticket))
+            self._highs.append(ticket.largest or nbytes / len(ticket.indices))
+            self.high_bytes = max(self._highs)
         self._base = sized_window(self.prefetch, self.prefetch_bytes, self.item_bytes,
-                                  self.growth, self.value_bytes)
+                                  self.growth, self.value_bytes, self.high_bytes)
         self._size()
         return True
 
@@ -224,10 +290,16 @@ class WindowSizer:
         bound and ``MAX_WINDOW``."""
         window, batch = self._base
         if self.extra:
-            bound = (int(self.prefetch_bytes // self.item_bytes) if self.item_bytes > 0
+            per_item = max(self.item_bytes, self.high_bytes)
+            bound = (int(self.prefetch_bytes // per_item) if per_item > 0
                      else self._full_window)
             window = max(window, min(window + self.extra, bound, MAX_WINDOW))
         self.window, self.batch = window, batch
+
+    @property
+    def prefetch_bytes(self) -> int:
+        """This window's share of the budget, now."""
+        return self.budget.share()
 
     def _sampled(self, ticket: Ticket) -> bool:
         """One reply in ``GROWN_SAMPLE`` to a grown window: do its values, misses not
