@@ -17,7 +17,7 @@ import pytest
 
 from asynccache.__main__ import main
 
-OURS = ("goals", "core", "datapipe", "latency", "network", "local")
+OURS = ("goals", "core", "datapipe", "latency", "network", "distance", "local")
 
 
 def ratios(node: Any, path: str = "") -> Iterator[tuple[str, Any]]:
@@ -82,6 +82,11 @@ def test_smoke_run_writes_tables_json_and_plots(
     levels = doc["modules"]["network"]["results"]["levels"]
     assert {level["rtt_added_s"] for level in levels} >= {0.0, 1e-3}
     assert all(level["ping_us"] > 0 for level in levels)
+    distance = doc["modules"]["distance"]["results"]["levels"]
+    assert {(lv["value_bytes"], lv["rtt_added_s"]) for lv in distance} == {
+        (4096, 0.0), (4096, 2e-3), (1 << 20, 0.0), (1 << 20, 2e-3)}
+    assert all(lv["items_per_s"] > 0 and lv["window_items"] > 0 for lv in distance)
+    assert [lv["vs_plus_0"] for lv in distance if lv["rtt_added_s"] == 0.0] == [1.0, 1.0]
     local = doc["modules"]["local"]["results"]
     assert {block["value_bytes"] for block in local["by_size"]} == {4096, 256 * 1024}
     for block in local["by_size"]:

@@ -29,7 +29,7 @@ class Consumer:
     def period(self, rate: float, waited: bool, ready: int = 0) -> int:
         self.now += RATE_PERIOD * 1.01
         self.taken += int(rate * RATE_PERIOD * 1.01)
-        self.stalls += waited
+        self.stalls += int(RATE_PERIOD * 1e6 * (0.5 if waited else 0.01))  # µs waited
         self.sizer.timed(self.now, self.taken, self.stalls, ready)
         return self.sizer.window
 

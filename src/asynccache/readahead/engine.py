@@ -148,7 +148,7 @@ class ReadAhead:
         now = time.perf_counter() if tickets else 0.0
         for ticket in tickets:
             if self.sizer.learn(ticket) | (not ticket.direct and self.sizer.timed(
-                    now, self._taken(), self.stalls, len(ready))):
+                    now, self._taken(), self.stall_us, len(ready))):
                 self._resized()
             if ticket.direct or ticket.abandoned or ticket.generation != generation:
                 continue

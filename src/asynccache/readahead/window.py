@@ -73,16 +73,20 @@ GROWN_SAMPLE = 8
 #: above knows nothing of a store 2 ms away (read at 100,000 items/s, 200 items must be
 #: in flight), and a round trip seen from the consumer includes the time it spent
 #: elsewhere. So every ``RATE_PERIOD`` the window's part beyond that rule (``extra``)
-#: grows by ``GROW`` (at least a request) while the consumer waited for read-ahead in
-#: flight and its rate grew since the last growth (more in flight helped: distance); it
-#: holds while the consumer waits but the rate does not grow (the store or the link is
-#: the limit, not the window), and shrinks by ``SHRINK`` while the consumer never waits
-#: and most of the window sits ready (the consumer is the slower side).
+#: grows by ``GROW`` (at least a request) while the consumer spent ``WAITED_SHARE`` of
+#: the period waiting for read-ahead in flight and its rate grew since the last growth
+#: (more in flight helped: distance); it holds while the consumer waits but the rate
+#: does not grow (the store or the link is the limit, not the window), and shrinks by
+#: ``SHRINK`` while the consumer never waits and most of the window sits ready (the
+#: consumer is the slower side).
 RATE_PERIOD = 0.02
 GROW = 2.0
 SHRINK = 0.9
 #: a rate this much higher than at the last growth counts as grown
-RATE_GAIN = 1.05
+RATE_GAIN = 1.25
+#: the consumer "waited" in a period when waits for read-ahead took this share of it (a
+#: few short waits are the machine's noise -- a busy core -- not the store's distance)
+WAITED_SHARE = 0.2
 #: the largest window in items, whatever the rate and the distance
 MAX_WINDOW = 8192
 
@@ -200,10 +204,29 @@ class WindowSizer:
     the window is full, except one reply in ``GROWN_SAMPLE`` to a grown window.
     """
 
-    __slots__ = ("__weakref__", "_base", "_full_batch", "_full_window", "_grown_rate",
-                 "_highs", "_period_at", "_period_stalls", "_period_taken", "_small_item",
-                 "batch", "budget", "extra", "growth", "high_bytes", "item_bytes", "prefetch",
-                 "rate", "samples", "value_bytes", "window")
+    __slots__ = (
+        "__weakref__",
+        "_base",
+        "_full_batch",
+        "_full_window",
+        "_grown_rate",
+        "_highs",
+        "_period_at",
+        "_period_taken",
+        "_period_waited",
+        "_small_item",
+        "batch",
+        "budget",
+        "extra",
+        "growth",
+        "high_bytes",
+        "item_bytes",
+        "prefetch",
+        "rate",
+        "samples",
+        "value_bytes",
+        "window",
+    )
 
     def __init__(self, prefetch: int, budget: int | Budget,
                  growth: int = WINDOW_GROWTH) -> None:
@@ -235,7 +258,7 @@ class WindowSizer:
         #: the consumer's rate in items/s over the last period; at the last growth
         self.rate = self._grown_rate = 0.0
         self._period_at = 0.0
-        self._period_taken = self._period_stalls = 0
+        self._period_taken = self._period_waited = 0
 
     def learn(self, ticket: Ticket) -> bool:
         """Take a completed reply's sizes into account; True if it was looked at (the
@@ -254,24 +277,31 @@ class WindowSizer:
             self.value_bytes = learned(self.value_bytes, nbytes, values_found(ticket))
             self._highs.append(ticket.largest or nbytes / len(ticket.indices))
             self.high_bytes = max(self._highs)
-        self._base = sized_window(self.prefetch, self.prefetch_bytes, self.item_bytes,
-                                  self.growth, self.value_bytes, self.high_bytes)
+        base = sized_window(self.prefetch, self.prefetch_bytes, self.item_bytes,
+                            self.growth, self.value_bytes, self.high_bytes)
+        if base[0] > self._base[0]:
+            # the sizes' rule grew the window: a faster consumer after it is not the
+            # distance's doing (the first reply of a thread ends its 16-item window)
+            self._grown_rate = float("inf")
+        self._base = base
         self._size()
         return True
 
-    def timed(self, now: float, taken: int, stalls: int, ready: int) -> bool:
+    def timed(self, now: float, taken: int, waited_us: int, ready: int) -> bool:
         """At ``now`` a read-ahead request arrived; the consumer has taken ``taken``
-        items and waited ``stalls`` times for read-ahead so far, ``ready`` items wait
-        for it: once per ``RATE_PERIOD``, grow, hold or shrink the window's part for the
-        distance. True if the window or batch changed."""
+        items and waited ``waited_us`` for read-ahead in flight so far, ``ready`` items
+        wait for it: once per ``RATE_PERIOD``, grow, hold or shrink the window's part for
+        the distance. True if the window or batch changed."""
         elapsed = now - self._period_at
         if elapsed < RATE_PERIOD or not self.prefetch:
             return False
-        waited = stalls > self._period_stalls
+        waited = (waited_us - self._period_waited) > WAITED_SHARE * elapsed * 1e6
         self.rate = (taken - self._period_taken) / elapsed if self._period_at else 0.0
-        self._period_at, self._period_taken, self._period_stalls = now, taken, stalls
+        self._period_at, self._period_taken, self._period_waited = now, taken, waited_us
         extra = self.extra
-        if waited and self.rate:
+        if self._grown_rate == float("inf"):
+            self._grown_rate = self.rate  # the rate with the new base window, to grow from
+        elif waited and self.rate:
             if self.rate > self._grown_rate * RATE_GAIN:
                 extra = max(int(extra * GROW), self.batch)
                 self._grown_rate = self.rate
