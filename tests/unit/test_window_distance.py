@@ -95,3 +95,17 @@ def test_prefetch_zero_stays_off() -> None:
     sizer = WindowSizer(0, 32 * MIB)
     consumer = Consumer(sizer)
     assert consumer.period(rate=1000, waited=True) == 0
+
+
+def test_a_copied_window_has_a_budget_of_its_own() -> None:
+    """A deep-copied or pickled node carries its sizer: the budget's set of windows
+    (weak references) is not copied, the copy's budget is whole and unshared."""
+    import copy
+    import pickle
+
+    sizer = sized(4096)
+    twin = WindowSizer(64, sizer.budget)  # two windows share one budget
+    assert sizer.prefetch_bytes == twin.prefetch_bytes == 16 * MIB
+    for copied in (copy.deepcopy(sizer), pickle.loads(pickle.dumps(sizer))):
+        assert copied.budget is not sizer.budget and copied.budget.nbytes == 32 * MIB
+        assert copied.prefetch_bytes == 32 * MIB and copied.window == sizer.window

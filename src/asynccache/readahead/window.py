@@ -192,6 +192,11 @@ class Budget:
     def share(self) -> int:
         return max(1, self.nbytes // max(1, len(self.windows)))
 
+    def __reduce__(self) -> tuple[type[Budget], tuple[int]]:
+        """A copy (a deep-copied or pickled node) is a budget of its own, not yet
+        shared: the windows reading it are this process's objects."""
+        return Budget, (self.nbytes,)
+
 
 class WindowSizer:
     """A read-ahead window and its requests, in items, sized by the bytes replies carry.
