@@ -1,7 +1,7 @@
-"""Verify-then-trust for LMDB (store/lmdb/verified.py): a file is walked by py-lmdb's
-verifier when a process opens it in a state not verified before, a state this package's
-own synced commits made from a verified one is trusted without a walk, and a walk
-never reports damage because another process commits while it runs."""
+"""Verify-then-trust for LMDB (store/lmdb/verified.py): a file is walked when a process
+opens it in a state not walked before (any commit makes a new state), a state walked
+once is trusted without a walk, and a walk never reports damage because another
+process commits while it runs."""
 
 from __future__ import annotations
 
@@ -59,25 +59,19 @@ def walked(output: str, path: Path) -> bool:
     return f"verified {path}/data.mdb" in output
 
 
-def test_a_state_verified_or_committed_from_one_is_not_walked_again(tmp_path: Path) -> None:
+def test_a_state_walked_once_is_not_walked_again(tmp_path: Path) -> None:
     path = tmp_path / "cache"
     assert walked(run(path, "write"), path)  # a new, empty environment: walked at once
+    out = run(path, "read")
+    assert walked(out, path), out  # the write changed the file: walked again
     record = verified.recorded(str(path))
     assert record is not None and record.txnid >= 1
     out = run(path, "read")
-    assert not walked(out, path), out  # the synced commit moved the record on
+    assert not walked(out, path), out  # unchanged since: trusted
     out = run(path, "write", 400)
-    assert not walked(out, path), out
+    assert not walked(out, path), out  # opened unchanged, then written
+    assert walked(run(path, "read", 400), path)
     assert not walked(run(path, "read", 400), path)
-
-
-def test_commits_without_sync_leave_the_next_open_to_walk(tmp_path: Path) -> None:
-    """A machine crash can tear an unsynced commit: its state is not trusted."""
-    path = tmp_path / "cache"
-    run(path, "write")
-    run(path, "write", 300, query="sync=false")
-    assert walked(run(path, "read", 300), path)
-    assert not walked(run(path, "read", 300), path)
 
 
 def test_a_change_by_another_program_is_walked_and_found(tmp_path: Path) -> None:

@@ -175,18 +175,11 @@ class LmdbClient(Provider):
 
     # -- writes: one transaction each, on this process' writer thread -------------------
     async def _write(self, fn: Callable[[Any], T], what: str) -> T:
-        # a commit that cannot be torn by a crash moves the verified record on with it
-        moves_record = self.settings.sync and self.settings.verify
-
         def run() -> T:
             try:
-                with session(self.settings, self.safe_url) as held:
-                    with held.env.begin(write=True) as txn:
-                        before = held.verified_state() if moves_record else None
-                        result = fn(txn)
-                    if before is not None:
-                        held.committed(before)
-                    return result
+                with session(self.settings, self.safe_url) as held, \
+                        held.env.begin(write=True) as txn:
+                    return fn(txn)
             except lmdb.Error as exc:
                 raise self._translate(exc, what) from exc
 

@@ -12,7 +12,7 @@ from typing import Any
 from ...errors import CacheError, StoreUnavailable
 from . import layout
 from .package import lmdb
-from .verified import Identity, identity, problem, record, recorded
+from .verified import problem
 
 __all__ = ["DAMAGE", "Env", "EnvironmentDamaged", "damaged", "file_problem"]
 
@@ -81,21 +81,6 @@ class Env:
         found = problem(self.env, self.path, self.fd, self.psize)
         if found is not None:
             self.fail(f"the check at open found: {found}")
-
-    def verified_state(self) -> Identity | None:
-        """data.mdb's identity now, if it is the one recorded as verified; call it inside
-        a write transaction (no other commit can come between this and the commit)."""
-        if not self.parse:
-            return None
-        now = identity(self.fd, self.psize)
-        return now if now is not None and now == recorded(self.path) else None
-
-    def committed(self, before: Identity) -> None:
-        """After a commit (with ``sync``) from the verified state ``before``: the new
-        state is trusted too, unless another commit came in between."""
-        after = identity(self.fd, self.psize)
-        if after is not None and after.txnid == before.txnid + 1:
-            record(self.path, after)
 
     def fail(self, reason: str) -> EnvironmentDamaged:
         """Damage: from now on every use of this environment in this process raises."""
