@@ -15,7 +15,6 @@ from .readers import Ticket
 
 __all__ = [
     "BOUNDED_REQUEST_BYTES",
-    "DEFAULT_PREFETCH_BYTES",
     "DEFAULT_READAHEAD_BYTES",
     "FIRST_BATCH",
     "FIRST_WINDOW",
@@ -45,7 +44,7 @@ MAX_BATCH = 256
 #: The window (in flight + ready) holds about ``prefetch_bytes``; one request carries
 #: about ``prefetch_bytes / REQUESTS_PER_WINDOW`` (at least one value: a single 50 MiB
 #: value is still read, alone).
-DEFAULT_READAHEAD_BYTES = DEFAULT_PREFETCH_BYTES = 32 << 20
+DEFAULT_READAHEAD_BYTES = 32 << 20
 REQUESTS_PER_WINDOW = 32
 #: Until a reply has shown how large values are, the window starts this small, in
 #: requests this small (a few extra round trips once per consumer thread, instead of
