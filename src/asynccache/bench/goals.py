@@ -6,9 +6,9 @@ repetitions); the README states the goals and the bars, this module only measure
 
 * **wire** -- the loopback limit: one TCP stream from a child process, read with
   ``recv_into`` into one reused buffer (the most a client can get out of the link);
-* **large** -- 256 KiB, 1 MiB and 4 MiB values on Redis: ``dp[i]`` (prefetch=64)
-  against redis-py ``GET`` per key (hiredis, ``pickle.loads``): MB/s, the share of the
-  wire, and p99 per item at the consumer;
+* **large** -- 256 KiB, 1 MiB and 4 MiB values on Redis, as ``bytes`` and as float32
+  numpy arrays: ``dp[i]`` (prefetch=64) against redis-py ``GET`` per key (hiredis,
+  ``pickle.loads``): MB/s, the share of the wire, and p99 per item at the consumer;
 * **small** -- 100 B and 4 KiB values on Redis: ``dp[i]`` (prefetch=64) against the
   hand-written ``redis.asyncio`` MGET loop (batches of 64, 4 in flight, uvloop);
 * **memcached** -- 100 B and 4 KiB: ``get_many`` and ``dp[i]`` against ``aiomcache``
@@ -68,6 +68,9 @@ from .peers import delete_keys
 
 KIB, MIB = 1024, 1 << 20
 LARGE_SIZES = (256 * KIB, MIB, 4 * MIB)
+#: what the large values are: ``bytes``, and float32 numpy ``array``s of the same bytes
+#: (pickled out of band: what a sample is, and what is decoded without a copy)
+LARGE_KINDS = ("bytes", "array")
 #: bytes read per repetition of a large-value case: (full, quick, smoke)
 LARGE_BYTES = (512 * MIB, 256 * MIB, 8 * MIB)
 SMALL_SIZES = (100, 4 * KIB)
@@ -161,6 +164,7 @@ def run(
         results: dict[str, Any] = {
             "config": {
                 "large_sizes": list(LARGE_SIZES),
+                "large_kinds": list(LARGE_KINDS),
                 "large_bytes": LARGE_BYTES[mode],
                 "small_sizes": list(SMALL_SIZES),
                 "small_items": SMALL_ITEMS[mode],
@@ -183,7 +187,8 @@ def run(
             bar.describe("goals: loopback limit")
             results["wire"] = wire_mb_per_s(WIRE_BYTES[mode], s.reps)
             results["large"] = [
-                _large(s, redis_store, size, mode, runner, bar) for size in LARGE_SIZES
+                _large(s, redis_store, size, mode, runner, bar, kind)
+                for kind in LARGE_KINDS for size in LARGE_SIZES
             ]
             results["small"] = [
                 _small(s, redis_store, size, mode, runner, bar) for size in SMALL_SIZES
@@ -234,16 +239,15 @@ def _timed(cases: Sequence[Case], s: Session, bar: Progress) -> dict[str, dict[s
 
 
 def _large(
-    s: Session, store: Store, size: int, mode: int, runner: UvloopRunner, bar: Progress
+    s: Session, store: Store, size: int, mode: int, runner: UvloopRunner, bar: Progress,
+    kind: str = "bytes",
 ) -> dict[str, Any]:
-    bar.describe(f"goals: {fmt_size(size)} values")
+    bar.describe(f"goals: {fmt_size(size)} {kind} values")
     n = max(8, LARGE_BYTES[mode] // size)
-    with Workload(s, store, size, n, "goal-large", runner) as w, readers(store, w, runner) as (
-        ours,
-        peers,
-    ):
+    with Workload(s, store, size, n, "goal-large", runner, kind) as w, \
+            readers(store, w, runner) as (ours, peers):
         cases = [ours.item(n, PREFETCH, BATCH), peers.naive(w.plain_keys, n, size, BATCH)]
-        return {"value_bytes": size, "items": n, "cases": _timed(cases, s, bar)}
+        return {"value_bytes": size, "kind": kind, "items": n, "cases": _timed(cases, s, bar)}
 
 
 def _small(
@@ -526,6 +530,8 @@ def summary_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     wire = results["wire"]["mb_per_s"]
     for block in results["large"]:
         size = fmt_size(block["value_bytes"])
+        if block.get("kind", "bytes") != "bytes":
+            size = f"{size} {block['kind']}"
         ours, naive = _case(block, ITEM), _case(block, "redis-py GET per key")
         rows.append(_row(f"{size} dp[i] MB/s vs per-key GET", "dp[i]", ours["mb_per_s"],
                          "redis-py GET", naive["mb_per_s"],

@@ -103,6 +103,8 @@ class Ours:
         self.client = ac.connect(store.url)
         self.cache = ac.AsyncKVCache(self.client, namespace=namespace, ttl=ttl)
         self.pipes: list[ac.AsyncKVCacheMapDataPipe] = []
+        first = values[0]  # bytes, or an array: its bytes, not its length
+        self.item_bytes = int(getattr(first, "nbytes", len(first)))
 
     def _pipe(self, prefetch: int) -> ac.AsyncKVCacheMapDataPipe:
         pipe = ac.AsyncKVCacheMapDataPipe(
@@ -122,7 +124,7 @@ class Ours:
             name,
             "asynccache",
             n,
-            len(self.values[0]),
+            self.item_bytes,
             batch,
             lambda: self.runner.run(time_async_batches(one, batches, in_flight)),
             {"in_flight": in_flight, "path": "get_many"},
@@ -146,7 +148,7 @@ class Ours:
             name,
             "asynccache",
             n,
-            len(self.values[0]),
+            self.item_bytes,
             group,
             fn,
             {"prefetch": prefetch, "path": "dp[i]", "work": work is not None},
@@ -166,7 +168,7 @@ class Ours:
             name,
             "asynccache",
             n,
-            len(self.values[0]),
+            self.item_bytes,
             batch,
             lambda: _no_compute(pipe, epoch),
             {"prefetch": prefetch, "path": "__getitems__"},
@@ -196,14 +198,19 @@ class Workload:
     plain keys for the peers. Written on enter, deleted on exit (untimed)."""
 
     def __init__(
-        self, session: Session, store: Store, size: int, n: int, tag: str, runner: UvloopRunner
+        self, session: Session, store: Store, size: int, n: int, tag: str, runner: UvloopRunner,
+        kind: str = "bytes",
     ) -> None:
         self.store = store
         self.size = size
         self.runner = runner
         self.ttl = session.ttl(store)
-        self.namespace = session.namespace(tag, size)
-        self.values = make_values(size, n)
+        self.namespace = session.namespace(tag if kind == "bytes" else f"{tag}-{kind}", size)
+        self.values: list[Any] = make_values(size, n)
+        if kind == "array":  # what a sample is: a float32 array of the same bytes
+            import numpy as np
+
+            self.values = [np.frombuffer(v, dtype=np.float32).copy() for v in self.values]
         self.blobs = pickled(self.values)
         self.plain_keys = [f"{self.namespace}-pk:{i}" for i in range(n)]
         # A --url-memcached server with a small -I cannot hold 1 MiB values whole: the

@@ -67,7 +67,7 @@ class ReadPath:
         return result.values, error
 
     def decode(self, store_keys: Sequence[bytes], blobs: Sequence[Any],
-               second_look: bool = False
+               second_look: bool = False, owned: bool = False
                ) -> tuple[list[Any], dict[int, ChunkManifest], int, int]:
         """Decode one multi-get reply: a value per key (``MISSING`` for absent or unusable
         bytes, ``NOT_READ`` passed through, `Failed` in raise mode), the chunk manifests
@@ -75,7 +75,9 @@ class ReadPath:
         read-ahead sizes its window by: the mean, and the largest for the memory
         budget). No I/O: any thread may call it. ``second_look``: keys this process
         read a moment ago (see `Leases.claim()`); bytes that fail to decode were counted and
-        logged then, and are a plain ``MISSING`` now."""
+        logged then, and are a plain ``MISSING`` now. ``owned``: blobs that are not
+        ``bytes`` are memory of their own (`ConsumerConnection.owns_buffers`), decoded
+        without a copy: the values may be views of them."""
         cache = self.cache
         out: list[Any] = [MISSING] * len(blobs)
         manifests: dict[int, ChunkManifest] = {}
@@ -92,8 +94,12 @@ class ReadPath:
             nbytes += size
             if size > largest:
                 largest = size
+            mine = owned and type(blob) is not bytes
+            if mine and l1 is not None:
+                blob = bytes(blob)  # the L1 tier keeps these bytes: the value gets a copy
+                mine = False
             try:
-                value = decode(blob, store_keys[i])
+                value = decode(blob, store_keys[i], mine)
             except DecodeError as exc:
                 out[i] = MISSING if second_look else self.decode_failed(store_keys[i], exc)
                 continue
@@ -102,7 +108,7 @@ class ReadPath:
             else:
                 out[i] = value
                 if l1 is not None:
-                    l1.put(store_keys[i], bytes(blob))
+                    l1.put(store_keys[i], blob if type(blob) is bytes else bytes(blob))
         cache.counters.shard()["bytes_read"] += nbytes
         return out, manifests, nbytes, largest
 

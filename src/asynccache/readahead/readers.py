@@ -108,6 +108,8 @@ class SocketReader(Reader):
         self.policy = cache.policy
         self.loop = loop
         self.conns = reads.connections
+        #: every connection's large values are memory of their own: decoded in place
+        self.owned = all(conn.owns_buffers for conn in self.conns)
         self.fanout = reads.fanout
         self.route = reads.route
         self.histograms = cache.histograms
@@ -290,8 +292,8 @@ class SocketReader(Reader):
 
     def _finish(self, ticket: Ticket) -> None:
         cache = self.cache
-        values, manifests, ticket.nbytes, ticket.largest = cache.reads.decode(ticket.keys,
-                                                                              ticket.values)
+        values, manifests, ticket.nbytes, ticket.largest = cache.reads.decode(
+            ticket.keys, ticket.values, owned=self.owned)
         if manifests:  # chunked values: their chunks come through the core's loop
             try:
                 self.loop.call(chunks.resolve(cache.reads, ticket.keys, manifests, values),

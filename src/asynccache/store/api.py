@@ -129,6 +129,10 @@ class ConsumerConnection(ABC):
 
     #: the node this connection reads from (failures are counted under it)
     node: NodeName
+    #: values it returns that are not ``bytes`` are memory of their own (one allocation
+    #: per value, never reused or kept by the connection): the cache decodes arrays and
+    #: tensors as views of it, without a copy. False: every value is copied out.
+    owns_buffers: bool = False
 
     @abstractmethod
     def send_get(self, keys: Sequence[bytes]) -> None:

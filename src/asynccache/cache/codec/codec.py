@@ -416,7 +416,7 @@ class Codec:
             if raised_in_signal_handler(exc):
                 raise
             raise encode_error(obj, exc) from exc
-        return self._finish(key, F_OOB, *oob_parts(stream, raws))
+        return self._finish(key, F_OOB, *oob_parts(stream, raws, FIXED.size + self._tag_size))
 
     def encode_manifest(self, manifest: ChunkManifest, key: bytes) -> bytes:
         """Serialise a chunk manifest for ``key`` (never pickled, never compressed; signed
@@ -442,8 +442,15 @@ class Codec:
 
     # -- decode ---------------------------------------------------------------------------
 
-    def decode(self, data: bytes | bytearray | memoryview, key: bytes) -> object:
+    def decode(self, data: bytes | bytearray | memoryview, key: bytes,
+               owned: bool = False) -> object:
         """Inverse of encode/encode_manifest for the same ``key``.
+
+        ``owned``: ``data`` is writable memory that belongs to this value alone, starts
+        where its allocation starts and is never reused (a buffer a reader received this
+        one value into): the arrays, tensors and buffers of the value are then views of
+        it instead of a copy. The caller must not read ``data`` as the value's bytes
+        after handing it over (the value may be changed in place through them).
 
         Raises:
             DecodeError: for anything else: foreign bytes, damage, a value of another key,
@@ -485,14 +492,15 @@ class Codec:
                     if raised_in_signal_handler(exc):
                         raise
                     raise unpickle_error(exc) from exc
-        return self._decode(data, key)
+        return self._decode(data, key, owned)
 
     def _unverified(self, message: str) -> DecodeError:
         """The error for bytes rejected before their tag was checked: with a secret, a
         SignatureError (whoever wrote them did not hold it)."""
         return DecodeError(message) if self._signer is None else SignatureError(message)
 
-    def _decode(self, data: bytes | bytearray | memoryview, key: bytes) -> object:
+    def _decode(self, data: bytes | bytearray | memoryview, key: bytes,
+                owned: bool = False) -> object:
         """Every case but the hot path; checks run in the order docs/formats.md lists."""
         try:
             magic, version, flags = FIXED.unpack_from(data)
@@ -548,7 +556,11 @@ class Codec:
             tag = key_seed if flags & F_NOCHECK else xxh3_64_intdigest(payload, key_seed)
             if view[FIXED.size : start] != XXH_TAG.pack(tag):
                 raise DecodeError(MISMATCH)
+        # Out-of-band buffers as views of data: only memory of this value's own, as
+        # received (a decompressed payload is a fresh immutable bytes).
+        owned_at = start if owned and type(view) is memoryview and not view.readonly else None
         if flags & COMP_MASK:
+            owned_at = None
             kind = BITS_KIND[flags & COMP_MASK]
             payload = memoryview(decompress(kind, payload, self.max_value_bytes - start))
         if flags & F_MANIFEST:
@@ -561,11 +573,11 @@ class Codec:
                     "value is pickle-free but msgpack is not installed: pip install msgpack"
                 ) from exc
             if flags & F_OOB:
-                return plain.loads(*split_oob(payload))
+                return plain.loads(*split_oob(payload, owned_at))
             return plain.loads(payload)
         try:
             if flags & F_OOB:
-                stream, buffers = split_oob(payload)
+                stream, buffers = split_oob(payload, owned_at)
                 return pickle.loads(stream, buffers=buffers)
             return pickle.loads(payload)
         except DecodeError:

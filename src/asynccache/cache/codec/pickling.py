@@ -118,11 +118,26 @@ def dumps_special(obj: object, protocol: int) -> tuple[bytes, list[Any]]:
     return stream, bufs
 
 
-def oob_parts(stream: bytes, raws: Sequence[Any]) -> tuple[list[Any], int]:
-    """(parts, total length) of an out-of-band payload: table, stream, aligned buffers."""
+def oob_parts(stream: bytes, raws: Sequence[Any], head: int | None = None
+              ) -> tuple[list[Any], int]:
+    """(parts, total length) of an out-of-band payload: table, stream, aligned buffers.
+
+    ``head``: the bytes that precede the payload in the stored value (header and tag).
+    Given, the stream is followed by zeros so that the buffer region starts at a multiple
+    of ``ALIGN`` from the value's start: a reader that received the value into memory of
+    its own decodes the buffers as views of it, aligned (`split_oob()` with ``owned``).
+    Only for pickle streams: ``pickle.loads`` ignores what follows the stream's STOP.
+    """
     lengths = [memoryview(r).nbytes for r in raws]
-    table = OOB_HEAD.pack(len(stream), len(raws)) + struct.pack(f"<{len(raws)}Q", *lengths)
+    stream_len = len(stream)
+    pad_stream = 0
+    if head is not None:
+        pad_stream = -(head + OOB_HEAD.size + 8 * len(raws) + stream_len) % ALIGN
+    table = (OOB_HEAD.pack(stream_len + pad_stream, len(raws))
+             + struct.pack(f"<{len(raws)}Q", *lengths))
     parts: list[Any] = [table, stream]
+    if pad_stream:
+        parts.append(ZEROS[:pad_stream])
     pos = 0
     for raw, n in zip(raws, lengths, strict=True):
         pad = -pos % ALIGN
@@ -131,15 +146,20 @@ def oob_parts(stream: bytes, raws: Sequence[Any]) -> tuple[list[Any], int]:
             pos += pad
         parts.append(raw)
         pos += n
-    return parts, len(table) + len(stream) + pos
+    return parts, len(table) + stream_len + pad_stream + pos
 
 
-def split_oob(payload: bytes | memoryview) -> tuple[bytes | memoryview, list[memoryview]]:
-    """(stream, buffers) of an out-of-band payload; the buffer region is copied exactly once.
+def split_oob(payload: bytes | memoryview, owned_at: int | None = None
+              ) -> tuple[bytes | memoryview, list[memoryview]]:
+    """(stream, buffers) of an out-of-band payload.
 
     Every count and length is checked against the payload size before it is used, so a
     forged table cannot make ``struct`` or the span list allocate more than the input.
-    The buffers are slices of one fresh ``bytearray``: writable, owning no other copy.
+    The buffers are slices of one writable region owning no other copy: the payload's
+    own bytes when ``owned_at`` is given (the payload is a writable view of memory that
+    belongs to this one value and is never reused; ``owned_at`` is the payload's offset
+    in it) and its buffer region starts ``ALIGN``-aligned there; else one fresh
+    ``bytearray`` (the region copied exactly once).
     """
     total = len(payload)
     if total < OOB_HEAD.size:
@@ -162,7 +182,10 @@ def split_oob(payload: bytes | memoryview) -> tuple[bytes | memoryview, list[mem
         pos += n
     if pos != total - region_start:
         raise DecodeError("out-of-band buffer sizes do not match the value length")
-    region = memoryview(bytearray(memoryview(payload)[region_start:]))  # the one copy
+    if owned_at is not None and (owned_at + region_start) % ALIGN == 0:
+        region = memoryview(payload)[region_start:]  # views of the value's own memory
+    else:
+        region = memoryview(bytearray(memoryview(payload)[region_start:]))  # the one copy
     return payload[table_end:region_start], [region[a:b] for a, b in spans]
 
 

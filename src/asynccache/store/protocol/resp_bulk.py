@@ -127,7 +127,8 @@ class BulkReader:
         return items
 
     def _element(self) -> Any:
-        """The next element of the array: bytes, bytearray (big), None, or False (wait)."""
+        """The next element of the array: bytes, ``alloc``'s buffer (big: memory of that
+        value's own, never touched again by this reader), None, or False (wait)."""
         target = self._target
         if target is not None:
             if self._filled < len(target):
@@ -158,7 +159,12 @@ class BulkReader:
         start = self._start
         if self._end - start < size + 2:
             return False
-        value = bytes(self._view[start:start + size])
+        value: bytes | bytearray | memoryview
+        if size >= self.big:  # arrived with the headers: still a buffer of its own
+            value = self.alloc(size)
+            value[:] = self._view[start:start + size]
+        else:
+            value = bytes(self._view[start:start + size])
         self._start = start + size
         self._expect_crlf()
         self._size = -2

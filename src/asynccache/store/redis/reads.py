@@ -57,6 +57,8 @@ class BlockingRespConnection(BlockingConnection):
     """One socket, many MGETs in flight, replies matched to requests in order."""
 
     endpoint: RedisEndpoint
+    #: large values are received each into memory of its own (`BulkReader`)
+    owns_buffers = True
 
     def __init__(self, endpoint: RedisEndpoint, node: NodeName | None = None) -> None:
         super().__init__(endpoint, node)

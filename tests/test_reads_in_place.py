@@ -1,0 +1,166 @@
+"""Large values decoded over the buffer they were received into, on a real Redis and a
+real Redis Cluster: every reader still gets an object of its own, and nothing a reader
+does to it in place reaches the store, another position of the batch, another reader or
+a later read.
+
+The consumer's own connection receives each value of 64 KiB or more into memory of its
+own (`BulkReader`), and the codec makes the value's arrays and tensors views of it
+(`Codec.decode(owned=True)`); smaller values are copied out of a reused buffer.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import asynccache as ac
+from asynccache.nodes import CachedMapper
+from asynccache.testing import servers
+
+_ns = itertools.count()
+
+#: element counts of float32 arrays: small ones (hiredis, copied), large ones (>= 64 KiB,
+#: received in place), and sizes around the switch between them
+SIZES = st.one_of(st.integers(0, 1_000), st.integers(15_000, 18_000),
+                  st.integers(16_384, 200_000))
+
+
+def _array(i: int, n: int) -> dict[str, object]:
+    rng = np.random.default_rng(i)
+    return {"i": i, "x": rng.standard_normal(n).astype(np.float32),
+            "y": np.arange(i % 97, dtype=np.int64)}
+
+
+def _same(got: object, want: dict[str, object]) -> bool:
+    assert isinstance(got, dict)
+    return (got["i"] == want["i"] and np.array_equal(got["x"], want["x"])
+            and np.array_equal(got["y"], want["y"]))
+
+
+def _scribble(value: object) -> None:
+    assert isinstance(value, dict)
+    value["x"][...] = -7.0  # type: ignore[index]
+    value["y"][...] = -7  # type: ignore[index]
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(SIZES, min_size=1, max_size=24), data=st.data())
+def test_values_read_in_place_stay_right_when_readers_change_them(
+        redis_server: servers.RedisServer, sizes: list[int], data: st.DataObject) -> None:
+    source = [_array(i, n) for i, n in enumerate(sizes)]
+    order = data.draw(st.lists(st.integers(0, len(sizes) - 1), min_size=1, max_size=48))
+    pipe = ac.AsyncKVCacheMapDataPipe(source, ac.connect(redis_server.url), prefetch=16,
+                                      namespace=f"in-place-{next(_ns)}")
+    try:
+        for i in range(len(source)):  # write them (computed, written back)
+            pipe[i]
+        pipe.flush()
+        for _ in range(2):  # epoch 2 reads what epoch 1's scribbles would have changed
+            batch = pipe.__getitems__(order)
+            for i, got in zip(order, batch, strict=True):
+                assert _same(got, source[i])
+            ids = [id(v["x"]) for v in batch]
+            assert len(set(ids)) == len(ids)  # every position its own object...
+            for a, b in itertools.combinations(batch, 2):  # ...and its own memory
+                assert not np.shares_memory(a["x"], b["x"])
+            for got in batch:
+                _scribble(got)
+            pipe.set_order(order)
+            for i in order:  # one at a time, read ahead along the order
+                got = pipe[i]
+                assert _same(got, source[i])
+                _scribble(got)
+        stats = pipe.stats()
+        assert stats["errors"] == 0
+        assert stats["misses"] == len(source)  # only epoch 1's computations
+    finally:
+        pipe.close()
+
+
+def test_large_values_are_views_of_their_receive_buffer_and_aligned(
+        redis_server: servers.RedisServer, namespace: str) -> None:
+    """What the speed rests on: a large array read ahead is not copied after the
+    receive. Its memory is the buffer the connection received the value into."""
+    source = [np.full(300_000, i, dtype=np.float32) for i in range(40)]
+    pipe = ac.AsyncKVCacheMapDataPipe(source, ac.connect(redis_server.url), prefetch=16,
+                                      namespace=namespace)
+    try:
+        for i in range(len(source)):
+            pipe[i]
+        pipe.flush()
+        pipe.set_order(range(len(source)))
+        got = [pipe[i] for i in range(len(source))]
+        assert pipe.stats()["prefetch_hits"] >= len(source) // 2
+        for i, arr in enumerate(got):
+            assert np.array_equal(arr, source[i])
+            assert arr.flags.writeable and arr.ctypes.data % 16 == 0
+        owners = [arr.base for arr in got]  # views of the received buffer, not a copy
+        assert all(owner is not None for owner in owners)
+        assert sum(not isinstance(owner, bytearray) for owner in owners) >= len(got) // 2
+    finally:
+        pipe.close()
+
+
+def test_l1_keeps_the_bytes_and_readers_get_copies(redis_server: servers.RedisServer,
+                                                  namespace: str) -> None:
+    """With the in-process L1 tier, the received bytes are kept there: a value decoded
+    from them is a copy, so a reader's change never reaches the L1's bytes."""
+    source = [np.full(40_000, i, dtype=np.float32) for i in range(12)]
+    client = ac.connect(redis_server.url)
+    writer = ac.AsyncKVCacheMapDataPipe(source, client, prefetch=8, namespace=namespace)
+    try:
+        for i in range(len(source)):
+            writer[i]
+        writer.flush()
+    finally:
+        writer.close()
+    pipe = ac.AsyncKVCacheMapDataPipe(source, client, prefetch=8, namespace=namespace,
+                                      l1_bytes=64 << 20)
+    try:
+        for _ in range(3):
+            for i in range(len(source)):
+                got = pipe[i]
+                assert np.array_equal(got, source[i])
+                got[...] = -1
+        assert pipe.stats()["l1_hits"] > 0
+    finally:
+        pipe.close()
+
+
+@pytest.mark.parametrize("where", ["cluster", "node"])
+def test_the_cluster_and_the_node_read_in_place_as_the_pipe(
+        where: str, redis_server: servers.RedisServer, redis_cluster: servers.RedisCluster,
+        namespace: str) -> None:
+    source = [_array(i, 20_000 + 5_000 * (i % 3)) for i in range(30)]
+    url = redis_cluster.url if where == "cluster" else redis_server.url
+    client = ac.connect(url)
+    pipe = ac.AsyncKVCacheMapDataPipe(source, client, prefetch=8, namespace=namespace)
+    try:
+        for i in range(len(source)):
+            pipe[i]
+        pipe.flush()
+        if where == "cluster":
+            pipe.set_order(list(range(len(source))) * 2)
+            for i in list(range(len(source))) * 2:
+                got = pipe[i]
+                assert _same(got, source[i])
+                _scribble(got)
+            return
+    finally:
+        pipe.close()
+    order = [i % len(source) for i in range(2 * len(source))]
+    from torchdata.nodes import IterableWrapper
+
+    node = CachedMapper(IterableWrapper(order), source.__getitem__, client, prefetch=8,
+                        namespace=namespace)
+    seen = 0
+    for i, got in zip(order, node, strict=True):
+        assert _same(got, source[i])
+        _scribble(got)
+        seen += 1
+    assert seen == len(order)
