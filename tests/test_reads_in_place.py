@@ -1,11 +1,12 @@
-"""Large values decoded over the buffer they were received into, on a real Redis and a
-real Redis Cluster: every reader still gets an object of its own, and nothing a reader
-does to it in place reaches the store, another position of the batch, another reader or
-a later read.
+"""Large values decoded over the buffer they were received into, on a real Redis, a
+real Redis Cluster and a real memcached: every reader still gets an object of its own,
+and nothing a reader does to it in place reaches the store, another position of the
+batch, another reader or a later read.
 
 The consumer's own connection receives each value of 64 KiB or more into memory of its
-own (`BulkReader`), and the codec makes the value's arrays and tensors views of it
-(`Codec.decode(owned=True)`); smaller values are copied out of a reused buffer.
+own (`BulkReader`, memcached's `ReplyParser` given ``alloc``), and the codec makes the
+value's arrays and tensors views of it (`Codec.decode(owned=True)`); smaller values are
+copied out of a reused buffer.
 """
 
 from __future__ import annotations
@@ -47,14 +48,21 @@ def _scribble(value: object) -> None:
     value["y"][...] = -7  # type: ignore[index]
 
 
+@pytest.fixture(params=["redis", "memcached"])
+def reads_url(request: pytest.FixtureRequest) -> str:
+    """A store whose consumer connection receives large values in place."""
+    fixture = "redis_server" if request.param == "redis" else "memcached_server"
+    return str(request.getfixturevalue(fixture).url)
+
+
 @settings(max_examples=25, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sizes=st.lists(SIZES, min_size=1, max_size=24), data=st.data())
 def test_values_read_in_place_stay_right_when_readers_change_them(
-        redis_server: servers.RedisServer, sizes: list[int], data: st.DataObject) -> None:
+        reads_url: str, sizes: list[int], data: st.DataObject) -> None:
     source = [_array(i, n) for i, n in enumerate(sizes)]
     order = data.draw(st.lists(st.integers(0, len(sizes) - 1), min_size=1, max_size=48))
-    pipe = ac.AsyncKVCacheMapDataPipe(source, ac.connect(redis_server.url), prefetch=16,
+    pipe = ac.AsyncKVCacheMapDataPipe(source, ac.connect(reads_url), prefetch=16,
                                       namespace=f"in-place-{next(_ns)}")
     try:
         for i in range(len(source)):  # write them (computed, written back)
@@ -83,11 +91,11 @@ def test_values_read_in_place_stay_right_when_readers_change_them(
 
 
 def test_large_values_are_views_of_their_receive_buffer_and_aligned(
-        redis_server: servers.RedisServer, namespace: str) -> None:
+        reads_url: str, namespace: str) -> None:
     """What the speed rests on: a large array read ahead is not copied after the
     receive. Its memory is the buffer the connection received the value into."""
-    source = [np.full(300_000, i, dtype=np.float32) for i in range(40)]
-    pipe = ac.AsyncKVCacheMapDataPipe(source, ac.connect(redis_server.url), prefetch=16,
+    source = [np.full(200_000, i, dtype=np.float32) for i in range(40)]
+    pipe = ac.AsyncKVCacheMapDataPipe(source, ac.connect(reads_url), prefetch=16,
                                       namespace=namespace)
     try:
         for i in range(len(source)):
@@ -164,3 +172,40 @@ def test_the_cluster_and_the_node_read_in_place_as_the_pipe(
         _scribble(got)
         seen += 1
     assert seen == len(order)
+
+
+def test_one_buffer_at_two_positions_gives_two_values_of_their_own() -> None:
+    """memcached answers a key asked twice once: its connection hands the same buffer to
+    both positions. The first is decoded in place, the second from it as a copy."""
+    cache = ac.AsyncKVCache(ac.connect("memory://"), namespace="in-place-twice")
+    key = cache.key("k")
+    blob = ac.Codec().encode(np.arange(50_000, dtype=np.float32), key)
+    buf = np.empty(len(blob), dtype=np.uint8)
+    buf[:] = np.frombuffer(blob, dtype=np.uint8)
+    values, _, _, _ = cache.reads.decode([key, key, key], [memoryview(buf)] * 3, owned=True)
+    assert sum(np.shares_memory(v, buf) for v in values) == 1
+    for a, b in itertools.combinations(values, 2):
+        assert not np.shares_memory(a, b)
+    values[0][...] = -1
+    assert all(np.array_equal(v, np.arange(50_000, dtype=np.float32)) for v in values[1:])
+
+
+def test_chunked_values_are_decoded_in_place_and_stay_right(
+        memcached_server: servers.MemcachedServer, namespace: str) -> None:
+    """Values over memcached's item size are split into chunks; the joined value is a
+    buffer of its own, decoded in place, and a reader's change reaches nothing else."""
+    source = [np.full(400_000 + 1000 * i, i, dtype=np.float32) for i in range(6)]  # ~1.6 MB
+    pipe = ac.AsyncKVCacheMapDataPipe(source, ac.connect(memcached_server.url), prefetch=4,
+                                      namespace=namespace)
+    try:
+        for i in range(len(source)):
+            pipe[i]
+        pipe.flush()
+        for _ in range(2):
+            for i in range(len(source)):
+                got = pipe[i]
+                assert np.array_equal(got, source[i]) and got.flags.writeable
+                got[...] = -1
+        assert pipe.stats()["misses"] == len(source)
+    finally:
+        pipe.close()

@@ -251,3 +251,97 @@ def test_safe_memcached_keys_never_lets_a_space_or_an_empty_key_through() -> Non
                  [b"x" * 251], [b"a\tb"], [b"ac#1"]):
         assert safe_memcached_keys(keys) == [safe_memcached_key(k) for k in keys]
         assert safe_memcached_keys(keys) != keys
+
+
+# -- large values received in place (a socket's parser, given ``alloc``) ------------------
+def parsed_in_place(keys: list[bytes], stream: bytes, step: int, big: int = 4) -> Any:
+    """What a socket's ReplyParser (values of ``big`` bytes or more received into buffers
+    of their own) makes of ``stream`` received ``step`` bytes at a time (0: as much as
+    the buffer takes), through ``buffer()``/``received()`` as a socket does."""
+    allocated: list[bytearray] = []
+
+    def alloc(n: int) -> bytearray:
+        allocated.append(bytearray(b"\xee" * n))  # garbage, not zeros: all overwritten
+        return allocated[-1]
+
+    parser = ReplyParser(MAX_VALUE, alloc=alloc, big=big)
+    parser.expect(pack_get(keys))
+    view = memoryview(stream)
+    try:
+        while True:
+            reply = parser.gets()
+            if reply is not False:
+                break
+            if not view:
+                return INCOMPLETE
+            room = parser.buffer()
+            n = min(len(room), len(view), step or len(view))
+            room[:n] = view[:n]
+            parser.received(n)
+            view = view[n:]
+    except ProtocolViolation:
+        return VIOLATION
+    if isinstance(reply, list):
+        for value in reply:  # a large value is one of the buffers, each its own
+            if value is not None and len(value) >= big:
+                assert any(value is buf for buf in allocated)
+            elif value is not None:
+                assert type(value) is bytes
+        owned = [v for v in reply if v is not None and len(v) >= big]
+        assert len({id(v) for v in owned}) == len(owned)
+        return [None if v is None else bytes(v) for v in reply]
+    return reply
+
+
+@settings(max_examples=250, deadline=None)
+@given(get_replies(), st.integers(min_value=0, max_value=17), st.sampled_from([1, 4, 16]))
+def test_large_values_received_in_place_are_the_reference_values(
+    case: tuple[list[bytes], bytes], step: int, big: int
+) -> None:
+    keys, stream = case
+    expected = reference(keys, stream)
+    assert parsed_in_place(keys, stream, step, big) == expected
+    for cut in range(len(stream)):  # every prefix: not complete yet, never a wrong value
+        assert parsed_in_place(keys, stream[:cut], step, big) in (INCOMPLETE, VIOLATION)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(damaged(get_replies()), st.integers(min_value=0, max_value=17))
+def test_damaged_replies_received_in_place_never_give_other_values(
+    case: tuple[list[bytes], bytes], step: int
+) -> None:
+    """Damage is refused, or found later than whole parsing would (a value received in
+    place is checked for its CRLF when it is complete), never read as other values."""
+    keys, stream = case
+    got = parsed_in_place(keys, stream, step)
+    expected = reference(keys, stream)
+    if isinstance(got, list):
+        assert got == expected
+    elif got == VIOLATION:  # the value's key or its CRLF checked when it is complete
+        assert expected in (VIOLATION, INCOMPLETE)
+    else:
+        assert got == expected or expected == VIOLATION
+
+
+def test_a_value_in_place_then_a_pipelined_reply_on_the_same_stream() -> None:
+    big = b"B" * 70_000
+    first, second = [b"k1", b"k2"], [b"k3"]
+    stream = (b"VALUE k1 0 %d\r\n%s\r\nVALUE k2 0 2\r\nhi\r\nEND\r\n" % (len(big), big)
+              + b"VALUE k3 0 3\r\nabc\r\nEND\r\n")
+    allocated: list[Any] = []
+    parser = ReplyParser(1 << 20, alloc=lambda n: allocated.append(bytearray(n)) or
+                         allocated[-1])
+    parser.expect(pack_get(first))
+    parser.expect(pack_get(second))
+    replies, view = [], memoryview(stream)
+    while view:
+        room = parser.buffer()
+        n = min(len(room), len(view), 1000)
+        room[:n] = view[:n]
+        parser.received(n)
+        view = view[n:]
+        while (reply := parser.gets()) is not False:
+            replies.append(reply)
+    assert replies[0] == [big, b"hi"] and replies[0][0] is allocated[0]
+    assert replies[1] == [b"abc"]
+    assert len(allocated) == 1 and parser.buffered == 0 and parser.waiting == 0

@@ -68,11 +68,12 @@ async def resolve(reads: ReadPath, store_keys: Sequence[bytes],
         pos += len(keys)
         if any(p is None or p is NOT_READ for p in parts):
             continue  # a chunk was evicted (or not read): the whole value is a miss
+        keep = cache.l1 is not None  # the L1 tier keeps the bytes: decode a copy
         try:
-            joined = join_chunks(parts, manifests[i])
-            out[i] = cache.codec.decode(joined, store_keys[i])
+            joined = join_chunks(parts, manifests[i], owned=not keep)
+            out[i] = cache.codec.decode(joined, store_keys[i], owned=not keep)
         except DecodeError as exc:
             out[i] = MISSING if second_look else reads.decode_failed(store_keys[i], exc)
             continue
         if cache.l1 is not None:
-            cache.l1.put(store_keys[i], joined)
+            cache.l1.put(store_keys[i], bytes(joined))

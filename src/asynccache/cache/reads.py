@@ -84,6 +84,7 @@ class ReadPath:
         decode = cache.codec.decode
         l1 = cache.l1
         nbytes = largest = 0
+        seen: set[int] | None = None  # owned buffers decoded in place so far
         for i, blob in enumerate(blobs):
             if blob is None:
                 continue
@@ -95,9 +96,15 @@ class ReadPath:
             if size > largest:
                 largest = size
             mine = owned and type(blob) is not bytes
-            if mine and l1 is not None:
-                blob = bytes(blob)  # the L1 tier keeps these bytes: the value gets a copy
-                mine = False
+            if mine:
+                if l1 is not None:  # the L1 tier keeps these bytes: the value gets a copy
+                    blob = bytes(blob)
+                    mine = False
+                elif len(blobs) > 1:  # one buffer at two positions (a key asked twice):
+                    if seen is None:  # the second decodes from it before anyone changes
+                        seen = set()  # the first, as a copy
+                    mine = id(blob) not in seen
+                    seen.add(id(blob))
             try:
                 value = decode(blob, store_keys[i], mine)
             except DecodeError as exc:

@@ -80,18 +80,20 @@ def split_chunks(blob: bytes | bytearray | memoryview, chunk_size: int) -> list[
     return [mv[i : i + chunk_size] for i in range(0, len(mv), chunk_size)]
 
 
-def join_chunks(parts: Sequence[bytes | bytearray | memoryview], manifest: ChunkManifest) -> bytes:
+def join_chunks(parts: Sequence[bytes | bytearray | memoryview], manifest: ChunkManifest,
+                owned: bool = False) -> bytes | bytearray:
     """Reassemble chunks; any missing, stale or damaged chunk raises DecodeError.
 
     Count and total length are checked before joining, so nothing is allocated for a set
-    of parts that cannot be the value.
+    of parts that cannot be the value. ``owned``: the value as a ``bytearray`` of its own
+    (the caller decodes it in place, ``Codec.decode(owned=True)``), else ``bytes``.
     """
     if len(parts) != manifest.chunks:
         raise DecodeError(f"chunked value has {len(parts)} chunks, manifest says {manifest.chunks}")
     total = sum(memoryview(p).nbytes for p in parts)
     if total != manifest.size:
         raise DecodeError(f"chunked value is {total} bytes, manifest says {manifest.size}")
-    blob = b"".join(parts)
+    blob = bytearray().join(parts) if owned else b"".join(parts)
     if xxh3_64_intdigest(blob) != manifest.digest:
         raise DecodeError("chunked value does not match its manifest checksum (stale or damaged)")
     return blob

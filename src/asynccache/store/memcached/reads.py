@@ -23,7 +23,7 @@ from ..protocol.memcache import (
     safe_memcached_keys,
     unexpected_reply,
 )
-from ..transport.blocking import BlockingConnection, Request
+from ..transport.blocking import BlockingConnection, Request, value_buffer
 from ..transport.endpoint import Endpoint
 
 __all__ = ["BlockingMemcachedConnection"]
@@ -63,6 +63,9 @@ class _Get(Request):
 class BlockingMemcachedConnection(BlockingConnection):
     """One socket to one memcached server, many multi-gets in flight, replies in order."""
 
+    #: large values are received each into memory of its own (`ReplyParser` ``alloc``)
+    owns_buffers = True
+
     def __init__(self, endpoint: Endpoint, *, max_value: int, max_batch: int = 128,
                  node: NodeName | None = None) -> None:
         super().__init__(endpoint, node)
@@ -73,7 +76,7 @@ class BlockingMemcachedConnection(BlockingConnection):
         return _Get(keys, self.max_batch)
 
     def _new_parser(self) -> Any:
-        return ReplyParser(self.max_value)
+        return ReplyParser(self.max_value, alloc=value_buffer)
 
     def _sent(self, request: Request) -> None:
         assert isinstance(request, _Get)

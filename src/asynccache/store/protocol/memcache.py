@@ -8,7 +8,8 @@ from __future__ import annotations
 import collections
 import hashlib
 import re
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -45,6 +46,9 @@ __all__ = [
 MAX_LINE = 8192
 #: What a blocking connection receives into, per ``recv_into``.
 INBOX = 1 << 18
+#: Values of at least this many bytes are received into memory of their own (a parser
+#: given ``alloc``), never copied out of the stream's buffer.
+BIG_VALUE = 64 << 10
 
 STORED = b"STORED"
 NOT_FOUND = b"NOT_FOUND"
@@ -157,7 +161,9 @@ class ErrorReply:
 
 #: A parsed reply: a get's values (aligned with its keys, ``None`` where absent), a
 #: one-line status (``b"STORED"``, ``b"VERSION 1.6.21"``, ...), or an error.
-Reply = list[bytes | None] | bytes | ErrorReply
+#: one value of a get reply: bytes, or a large value's own buffer (a parser given alloc)
+Value = bytes | bytearray | memoryview
+Reply = list[Value | None] | bytes | ErrorReply
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,11 +245,21 @@ class ReplyParser:
     request still waiting.
     """
 
-    __slots__ = ("_avail", "_buf", "_chunks", "_cursor", "_expected", "_inbox", "_index",
-                 "_max_value", "_need", "_pos", "_values")
+    __slots__ = ("_alloc", "_avail", "_big", "_buf", "_chunks", "_crlf_due", "_cursor",
+                 "_expected", "_filled", "_inbox", "_index", "_max_value", "_need", "_pos",
+                 "_target", "_values")
 
-    def __init__(self, max_value: int) -> None:
+    def __init__(self, max_value: int,
+                 alloc: Callable[[int], bytearray | memoryview] | None = None,
+                 big: int = BIG_VALUE) -> None:
         self._max_value = max_value
+        #: given (a socket's parser), a value of at least ``big`` bytes is received
+        #: into ``alloc(size)`` and handed out as that buffer, the caller's alone
+        self._alloc = alloc
+        self._big = max(big, 1) if alloc is not None else sys.maxsize
+        self._target: bytearray | memoryview | None = None  # a value arriving in place
+        self._filled = 0
+        self._crlf_due = False  # the CRLF after a value received in place is to be read
         self._expected: collections.deque[Request] = collections.deque()
         self._buf = b""      # bytes being parsed, from _pos on
         self._pos = 0
@@ -251,7 +267,7 @@ class ReplyParser:
         self._avail = 0      # unparsed bytes: len(_buf) - _pos + those in _chunks
         self._need = 1       # no parse is attempted before _avail reaches this
         # the get reply in progress (the oldest request's): values so far, next position
-        self._values: list[bytes | None] | None = None
+        self._values: list[Value | None] | None = None
         self._cursor = 0
         self._index: dict[bytes, int] | None = None
         self._inbox: memoryview | None = None  # what a socket receives into (buffer())
@@ -276,12 +292,23 @@ class ReplyParser:
 
     def buffer(self) -> memoryview:
         """Where a socket receives the next bytes (reused: ``recv(n)`` would allocate
-        ``n`` bytes per call); then `received()`."""
+        ``n`` bytes per call; a large value's own memory while it arrives); then
+        `received()`."""
+        target = self._target
+        if target is not None:
+            return memoryview(target)[self._filled:]
         if self._inbox is None:
             self._inbox = memoryview(bytearray(INBOX))
         return self._inbox
 
     def received(self, n: int) -> None:
+        target = self._target
+        if target is not None:
+            self._filled += n
+            if self._filled == len(target):  # complete: its CRLF comes next
+                self._target = None
+                self._need = 2
+            return
         assert self._inbox is not None
         self.feed(self._inbox[:n])  # values are sliced out of bytes, not views
 
@@ -296,7 +323,7 @@ class ReplyParser:
             if self._avail:
                 raise ProtocolViolation(f"{self._avail} bytes arrived that no request asked for")
             return False
-        if self._avail < self._need:
+        if self._target is not None or self._avail < self._need:
             return False
         self._join()
         request = self._expected[0]
@@ -342,7 +369,7 @@ class ReplyParser:
             raise ProtocolViolation(f"unexpected reply {line[:80]!r}", line)
         return error
 
-    def _get_reply(self, request: Request) -> list[bytes | None] | ErrorReply | None:
+    def _get_reply(self, request: Request) -> list[Value | None] | ErrorReply | None:
         """The hot loop (one pass per ``VALUE``), on locals; the position, the cursor and
         the bytes consumed are written back once, however it ends.
 
@@ -360,10 +387,18 @@ class ReplyParser:
             self._cursor, self._index = 0, None
         buf, pos, cursor = self._buf, self._pos, self._cursor
         n_keys, n_buf, max_value = len(keys), len(buf), self._max_value
-        n_heads = len(heads)
+        n_heads, big = len(heads), self._big
         startswith, find = buf.startswith, buf.find
         bulk_tried = False
         try:
+            if self._crlf_due:  # after a value received in place
+                if n_buf - pos < 2:
+                    self._need = 2
+                    return None
+                if not startswith(b"\r\n", pos):
+                    raise ProtocolViolation("a value received in place is not followed by CRLF")
+                pos += 2
+                self._crlf_due = False
             while True:
                 if cursor < n_heads:
                     head = heads[cursor]
@@ -377,7 +412,8 @@ class ReplyParser:
                                 end = eol + 2 + size
                                 if size <= max_value and end + 2 <= n_buf \
                                         and startswith(b"\r\n", end):
-                                    values[cursor] = buf[eol + 2:end]
+                                    values[cursor] = buf[eol + 2:end] if size < big \
+                                        else self._own(buf, eol + 2, size)
                                     cursor += 1
                                     pos = end + 2
                                     if size <= _BULK_VALUE and cursor < n_heads - 1 \
@@ -401,17 +437,32 @@ class ReplyParser:
                 if size > max_value:
                     raise ValueOverBound(f"a VALUE of {size} bytes announced, over the "
                                          f"{max_value}-byte bound")
+                key = header[0]
                 end = eol + 2 + size
                 if end + 2 > n_buf:
-                    self._need = end + 2 - pos
+                    if size < big:
+                        self._need = end + 2 - pos
+                        return None
+                    # a large value still arriving: the rest goes straight into its own
+                    # buffer (buffer()), then its CRLF is read
+                    i = cursor if cursor < n_keys and keys[cursor] == key else \
+                        self._position(keys, key)
+                    have = min(n_buf - (eol + 2), size)
+                    values[i] = target = self._own(buf, eol + 2, have, size)
+                    cursor = i + 1
+                    pos = eol + 2 + have
+                    self._crlf_due = True
+                    if have < size:
+                        self._target, self._filled = target, have
+                    else:
+                        self._need = 2
                     return None
                 if buf[end:end + 2] != b"\r\n":
                     raise ProtocolViolation(f"value of {size} bytes not followed by CRLF")
-                key = header[0]
                 # memcached answers hits in request order: the next position first
                 i = cursor if cursor < n_keys and keys[cursor] == key else \
                     self._position(keys, key)
-                values[i] = buf[eol + 2:end]
+                values[i] = buf[eol + 2:end] if size < big else self._own(buf, eol + 2, size)
                 cursor = i + 1
                 pos = end + 2
         finally:
@@ -427,6 +478,15 @@ class ReplyParser:
             raise ProtocolViolation(f"unexpected line {line[:80]!r} in a get reply", line)
         return error
 
+    def _own(self, buf: bytes, start: int, n: int, size: int | None = None
+             ) -> bytearray | memoryview:
+        """A buffer of its own for a large value of ``size`` (default ``n``) bytes, with
+        the ``n`` of them that are in ``buf`` from ``start`` copied in."""
+        assert self._alloc is not None
+        target = self._alloc(n if size is None else size)
+        target[:n] = memoryview(buf)[start:start + n]
+        return target
+
     def _position(self, keys: tuple[bytes, ...], key: bytes) -> int:
         """Where a value that came out of order goes; a key not asked is a violation."""
         if self._index is None:
@@ -438,7 +498,7 @@ class ReplyParser:
 
 
 def _bulk_hits(buf: bytes, pos: int, heads: Sequence[bytes], cursor: int,
-                values: list[bytes | None], max_value: int) -> int:
+                values: list[Value | None], max_value: int) -> int:
     """The rest of a get reply of small values in one pass, when it is what memcached
     sends for all-hits: the plain hit of every key from ``cursor`` on, in order, then
     ``END``. Fills ``values`` and returns where ``END`` starts, or -1 (nothing changed).

@@ -17,7 +17,7 @@ from ...errors import StoreError, StoreUnavailable
 from ..api import NodeName
 from ..protocol.resp import RespParser, check_mget_reply, pack_mget, setup_refused, unexpected_reply
 from ..protocol.resp_bulk import BIG_VALUE, BulkReader
-from ..transport.blocking import BlockingConnection, Closed, Request
+from ..transport.blocking import BlockingConnection, Closed, Request, value_buffer
 from .endpoint import RedisEndpoint
 
 __all__ = ["BlockingRespConnection"]
@@ -26,31 +26,6 @@ __all__ = ["BlockingRespConnection"]
 _MAX_VALUE = 512 << 20
 #: weight of the newest reply in the value-size estimate that picks the parser
 _ALPHA = 0.5
-
-
-def _value_buffer(size: int) -> bytearray | memoryview:
-    """Memory for one large value, not zeroed first (the socket overwrites all of it):
-    ``numpy.empty`` when numpy is installed (``bytearray(n)`` writes n zeros, a pass
-    over memory as long as the copy from the kernel), else a bytearray."""
-    np = _numpy()
-    if np is None:
-        return bytearray(size)
-    return memoryview(np.empty(size, dtype=np.uint8))
-
-
-def _numpy() -> Any:
-    global _NP
-    if _NP is False:
-        try:
-            import numpy
-        except ImportError:
-            _NP = None
-        else:
-            _NP = numpy
-    return _NP
-
-
-_NP: Any = False
 
 
 class BlockingRespConnection(BlockingConnection):
@@ -93,7 +68,7 @@ class BlockingRespConnection(BlockingConnection):
             self.parser = self._mget_parser()
 
     def _mget_parser(self) -> Any:
-        return (BulkReader(max_value=_MAX_VALUE, alloc=_value_buffer) if self.big
+        return (BulkReader(max_value=_MAX_VALUE, alloc=value_buffer) if self.big
                 else RespParser())
 
     def _switch_parser(self) -> None:
