@@ -16,7 +16,8 @@ repetitions); the README states the goals and the bars, this module only measure
 * **cluster** -- 100 B: ``get_many`` and ``dp[i]`` on a 3-node Redis Cluster against the
   same on one redis-server, directly and with 0.2 ms of round trip added by a loopback
   proxy in a child process (each node behind its own proxy, announced to clients);
-* **cold** -- a DataLoader epoch (2 workers, shuffled, batches of 32, items of 192 KiB
+* **cold** -- (also with items of ~1 ms of numpy work, where a cache's own costs show)
+  a DataLoader epoch (2 workers, shuffled, batches of 32, items of 192 KiB
   that cost ~1.5 ms of CPU each) through ``async_kv_cache`` with an empty store, with
   ``set_order(loader.batch_sampler)`` and without it (the default use), and again warm,
   against the same epoch reading the source without a cache;
@@ -202,6 +203,7 @@ def run(
             results["cluster"] = _cluster(s, redis_store, mode, runner, bar)
             bar.describe("goals: cold epochs")
             results["cold"] = _cold(s, redis_store, mode, runner)
+            results["cold_cheap"] = _cold(s, redis_store, mode, runner, cheap=True)
             bar.describe("goals: samplers followed")
             results["samplers"] = _samplers(s, redis_store, mode)
             bar.describe("goals: ranks of a distributed job")
@@ -434,6 +436,37 @@ class ColdSource:
         )[0]
 
 
+class CheapSource:
+    """``n`` items that cost little CPU, the case where a cache's own costs show: a
+    3x256x256 uint8 image pooled to a normalised 3x128x128 float32 array (192 KiB) with
+    numpy, ~1 ms each (measured in the run: ``item_ms``)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> Any:
+        import numpy as np
+
+        if not 0 <= index < self.n:
+            raise IndexError(index)
+        raw = np.random.default_rng(index).integers(0, 256, (3, 256, 256), dtype=np.uint8)
+        x = raw.astype(np.float32)
+        x = (x[:, 0::2, 0::2] + x[:, 1::2, 0::2] + x[:, 0::2, 1::2] + x[:, 1::2, 1::2]) * 0.25
+        x = (x - x.mean(axis=(1, 2), keepdims=True)) / (x.std(axis=(1, 2), keepdims=True) + 1)
+        return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def _item_ms(source: Any, n: int = 64) -> float:
+    """What one item of ``source`` costs here, in ms (in this process, one thread)."""
+    started = time.perf_counter()
+    for i in range(min(n, len(source))):
+        source[i]
+    return (time.perf_counter() - started) * 1e3 / min(n, len(source))
+
+
 def _one_thread(_: int) -> None:
     import torch
 
@@ -460,12 +493,17 @@ def _epoch(dataset: Any, follow: bool = True) -> tuple[float, float]:
     return time.perf_counter() - started, total
 
 
-def _cold(s: Session, store: Store, mode: int, runner: UvloopRunner) -> dict[str, Any]:
+def _cold(s: Session, store: Store, mode: int, runner: UvloopRunner,
+          cheap: bool = False) -> dict[str, Any]:
+    """Epochs without a cache, then cold and warm through the pipe (and, for the costly
+    items, cold without set_order), on fresh workers each."""
     n = COLD_ITEMS[mode]
-    source = ColdSource(n)
+    source: Any = CheapSource(n) if cheap else ColdSource(n)
+    tag = "goal-cold-cheap" if cheap else "goal-cold"
     client = ac.connect(store.url)
-    times: dict[str, list[float]] = {"no cache": [], "cold": [], "cold, no set_order": [],
-                                     "warm": []}
+    times: dict[str, list[float]] = {"no cache": [], "cold": [], "warm": []}
+    if not cheap:
+        times["cold, no set_order"] = []
     sums: set[float] = set()
     computed = []
     try:
@@ -475,7 +513,7 @@ def _cold(s: Session, store: Store, mode: int, runner: UvloopRunner) -> dict[str
             times["no cache"].append(t)
             sums.add(round(total, 3))
             pipe = ac.AsyncKVCacheMapDataPipe(
-                source, client, prefetch=PREFETCH, namespace=s.namespace("goal-cold", rep)
+                source, client, prefetch=PREFETCH, namespace=s.namespace(tag, rep)
             )
             try:
                 for phase in ("cold", "warm"):
@@ -486,6 +524,8 @@ def _cold(s: Session, store: Store, mode: int, runner: UvloopRunner) -> dict[str
             finally:
                 pipe.close()
                 delete_keys(store, [pipe.key_for(i) for i in range(n)])
+            if cheap:
+                continue
             blind = ac.AsyncKVCacheMapDataPipe(
                 source, client, prefetch=PREFETCH, namespace=s.namespace("goal-cold-blind", rep)
             )
@@ -503,6 +543,7 @@ def _cold(s: Session, store: Store, mode: int, runner: UvloopRunner) -> dict[str
     return {
         "items": n,
         "item_bytes": 3 * 128 * 128 * 4,
+        "item_ms": _item_ms(source),
         "workers": COLD_WORKERS,
         "times_s": times,
         "median_s": {k: statistics.median(v) for k, v in times.items()},
@@ -562,6 +603,13 @@ def summary_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
             b = _case(level, f"one node {label}")["items_per_s"]
             rows.append(_row(f"3-node cluster {label} vs one node, {rtt}", "cluster", a,
                              "one node", b, a / b, "items/s"))
+    if "cold_cheap" in results:  # absent in results of an older run
+        cheap = results["cold_cheap"]
+        for phase in ("cold", "warm"):
+            a, b = cheap["median_s"][phase], cheap["median_s"]["no cache"]
+            rows.append(_row(f"{phase} DataLoader epoch, ~{cheap['item_ms']:.1f} ms numpy "
+                             "items, vs no cache (lower is better)", phase, a, "no cache", b,
+                             a / b, "s"))
     cold = results["cold"]["median_s"]
     for phase in ("cold", "cold, no set_order", "warm"):
         if phase not in cold:  # results of an older run
