@@ -81,11 +81,17 @@ class ReadPath:
         cache = self.cache
         out: list[Any] = [MISSING] * len(blobs)
         manifests: dict[int, ChunkManifest] = {}
-        decode = cache.codec.decode
+        codec = cache.codec
+        decode = codec.decode
         l1 = cache.l1
         nbytes = largest = 0
+        positions: Sequence[int] = range(len(blobs))
+        decode_hot = getattr(codec, "decode_hot", None)  # a codec of the user's: no
+        if l1 is None and decode_hot is not None:  # small values in one call; the rest
+            positions, nbytes, largest = decode_hot(blobs, store_keys, out)  # one by one
         seen: set[int] | None = None  # owned buffers decoded in place so far
-        for i, blob in enumerate(blobs):
+        for i in positions:
+            blob = blobs[i]
             if blob is None:
                 continue
             if blob is NOT_READ:

@@ -494,6 +494,40 @@ class Codec:
                     raise unpickle_error(exc) from exc
         return self._decode(data, key, owned)
 
+    def decode_hot(self, blobs: Sequence[Any], keys: Sequence[bytes], out: list[Any]
+                   ) -> tuple[list[int], int, int]:
+        """Decode, in one call, the values of a reply that `decode()`'s hot path takes
+        (small ``bytes`` with flags 0, by a codec that unpickles unsigned values) into
+        ``out[i]``. Returns the positions left to `decode()` one by one (absent, not
+        read, other kinds, and damage: decode then says what is wrong), and the bytes
+        and the largest value of those decoded here. A reply of small values costs one
+        Python call instead of one per value."""
+        hot = self._hot
+        if not hot:  # signed or pickle-free: every value takes the general path
+            return list(range(len(blobs))), 0, 0
+        rest: list[int] = []
+        tag_of = XXH_TAG.unpack_from
+        xxh = xxh3_64_intdigest
+        loads = pickle.loads
+        nbytes = largest = 0
+        for i, data in enumerate(blobs):
+            if type(data) is bytes and HEADER_SIZE <= (n := len(data)) <= _SLICE_MAX \
+                    and data.startswith(hot):
+                payload = data[HEADER_SIZE:]
+                if xxh(payload, xxh(keys[i], SEED0)) == tag_of(data, 4)[0]:
+                    try:
+                        out[i] = loads(payload)
+                    except Exception as exc:
+                        if raised_in_signal_handler(exc):
+                            raise
+                    else:
+                        nbytes += n
+                        if n > largest:
+                            largest = n
+                        continue
+            rest.append(i)
+        return rest, nbytes, largest
+
     def _unverified(self, message: str) -> DecodeError:
         """The error for bytes rejected before their tag was checked: with a secret, a
         SignatureError (whoever wrote them did not hold it)."""
