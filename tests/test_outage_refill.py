@@ -228,6 +228,9 @@ def test_reads_answered_from_the_record_are_counted_as_recalled_not_misses(
         reads = read_all(dp, range(N))
         for _ in range(3):  # the store is down: every read is the record's
             reads += read_all(dp, range(N))
+        # the writes of the computed values fail behind the reads (CI, loaded: none had
+        # failed yet when the stats were read)
+        wait_for(lambda: dp.stats()["unstored_values"] > 0)
         stats = dp.stats()
     finally:
         dp.close()
