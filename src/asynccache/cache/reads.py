@@ -121,7 +121,7 @@ class ReadPath:
             else:
                 out[i] = value
                 if l1 is not None:
-                    l1.put(store_keys[i], blob if type(blob) is bytes else bytes(blob))
+                    l1.put(store_keys[i], bytes(blob))  # bytes: no copy
         cache.counters.shard()["bytes_read"] += nbytes
         return out, manifests, nbytes, largest
 
