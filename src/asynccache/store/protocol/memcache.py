@@ -570,7 +570,9 @@ def explain_rejection(reply: Reply, where: str, size: int) -> str:
                 "server's item size; start memcached with a larger -I, or pass item_size= "
                 "to connect() so asynccache chunks values below the server's limit")
     if "out of memory" in text:
-        return (f"memcached {where} is full and refuses writes ({text}): it runs with -M "
-                "(no eviction) and its memory is used up; drop -M (a cache should evict) "
-                "or raise -m")
+        return (f"memcached {where} is full and refuses writes ({text}): either it runs "
+                "with -M (no eviction) and its memory is used up, or its memory went to "
+                "values of other sizes and none of this size is there to evict; drop -M "
+                "(a cache should evict), raise -m, or start it with "
+                "-o slab_reassign,slab_automove=2 so memory moves to the sizes written")
     return f"memcached {where} refused a {size}-byte value: {text}"
