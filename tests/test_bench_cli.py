@@ -104,6 +104,10 @@ def test_smoke_run_writes_tables_json_and_plots(
     assert "cold, no set_order DataLoader epoch vs no cache (lower is better)" in rows
     assert rows["2 ranks x 2 workers: warm reads served by read-ahead"]["ratio"] <= 1.0
     assert "tiered warm epoch vs far alone, +1 ms (lower is better)" in rows
+    for size in ("4 KiB", "100 KiB"):  # the README's loop against its limit and diskcache
+        assert f"warm DataLoader epoch, {size}, asynccache, redis vs diskcache" in rows
+        assert (f"warm DataLoader epoch, {size}, asynccache, lmdb vs the loader's own limit"
+                in rows)
     assert "shuffle=True, persistent workers: warm reads served by read-ahead" in rows
     assert set(goals["samplers"]["cases"]) >= {"own RNG (not followable), fresh workers"}
     assert all(row["ours_value"] > 0 and row["peer_value"] > 0 for row in rows.values())

@@ -21,6 +21,10 @@ repetitions); the README states the goals and the bars, this module only measure
   that cost ~1.5 ms of CPU each) through ``async_kv_cache`` with an empty store, with
   ``set_order(loader.batch_sampler)`` and without it (the default use), and again warm,
   against the same epoch reading the source without a cache;
+* **loader** -- warm epochs of the README's loop (2 workers, shuffled, 4 KiB and 100 KiB
+  float32 arrays) through ``async_kv_cache`` on Redis and LMDB, against the same loader
+  over a dataset that costs nothing and over a ``diskcache.Cache`` wrapper
+  (`asynccache.bench.loader`);
 * **ranks** -- a ``torch.distributed`` job (`asynccache.bench.ranks`): the share of warm
   reads that read-ahead served, with ``set_order`` following ``DistributedSampler``;
 * **tiered** -- a warm DataLoader epoch through ``ac.Tiered(lmdb, redis)`` against the
@@ -46,7 +50,7 @@ import asynccache as ac
 
 from ..cli.progress import Progress
 from ..testing import servers
-from . import plots, ranks, tiered, workers
+from . import loader, plots, ranks, tiered, workers
 from ._common import (
     BenchError,
     Case,
@@ -204,6 +208,8 @@ def run(
             bar.describe("goals: cold epochs")
             results["cold"] = _cold(s, redis_store, mode, runner)
             results["cold_cheap"] = _cold(s, redis_store, mode, runner, cheap=True)
+            bar.describe("goals: warm epochs in the README's loop")
+            results["loader"] = loader.run(s, redis_store)
             bar.describe("goals: samplers followed")
             results["samplers"] = _samplers(s, redis_store, mode)
             bar.describe("goals: ranks of a distributed job")
@@ -604,6 +610,17 @@ def summary_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
             rows.append(_row(f"{phase} DataLoader epoch, ~{cheap['item_ms']:.1f} ms numpy "
                              "items, vs no cache (lower is better)", phase, a, "no cache", b,
                              a / b, "s"))
+    for block in results.get("loader", {}).get("by_size", []):  # absent: an older run
+        size, cases = fmt_size(block["value_bytes"]), block["cases"]
+        for case in (loader.REDIS, loader.LMDB):
+            rows.append(_row(f"warm DataLoader epoch, {size}, {case} vs the loader's own "
+                             "limit", case, cases[case]["items_per_s"], loader.LIMIT,
+                             cases[loader.LIMIT]["items_per_s"],
+                             block["ratio_vs_limit"][case], "items/s"))
+        rows.append(_row(f"warm DataLoader epoch, {size}, {loader.REDIS} vs diskcache",
+                         loader.REDIS, cases[loader.REDIS]["items_per_s"], loader.DISKCACHE,
+                         cases[loader.DISKCACHE]["items_per_s"],
+                         block["ratio_vs_diskcache"][loader.REDIS], "items/s"))
     cold = results["cold"]["median_s"]
     for phase in ("cold", "cold, no set_order", "warm"):
         if phase not in cold:  # results of an older run
