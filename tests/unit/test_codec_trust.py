@@ -699,10 +699,11 @@ def test_signature_is_checked_before_decompressing_or_parsing(
 
 
 def decode_fast(codec: Codec, blob: bytes, match: str | None = None) -> None:
-    """``blob`` must fail with DecodeError within 250 ms and 1 MiB + its size of memory.
+    """``blob`` must fail with DecodeError within 1 s and 1 MiB + its size of memory.
 
     The time bound is loose on purpose: what it catches (a bomb decompressed, a loop over a
-    forged count) takes seconds, and a 2-core CI machine can pause a test for tens of ms.
+    forged count) takes many seconds, and a 2-core machine under load can pause a test for
+    hundreds of ms (a 100,000-deep stream once took over 250 ms here).
     """
     tracemalloc.start()
     start = time.perf_counter()
@@ -714,7 +715,7 @@ def decode_fast(codec: Codec, blob: bytes, match: str | None = None) -> None:
     finally:
         tracemalloc.stop()
     assert calls == []
-    assert elapsed < 0.25, elapsed
+    assert elapsed < 1.0, elapsed
     assert peak < (1 << 20) + 2 * len(blob), peak
 
 

@@ -362,8 +362,10 @@ class AsyncKVCacheMapDataPipe(_Base):
         return order
 
     def _plan_from(self, items: list[Any]) -> list[Any]:
+        fast = len(self.source) if self._mapping is None else -1  # as `PipeRuntime.fast_length`
         try:
-            return [self._normalize(i) for i in items]
+            return [i if type(i) is int and 0 <= i < fast else self._normalize(i)
+                    for i in items]
         except (IndexError, TypeError) as exc:
             raise ConfigError(f"order contains an index this dataset does not have: "
                               f"{exc}") from exc
@@ -427,7 +429,9 @@ class AsyncKVCacheMapDataPipe(_Base):
     def __getitems__(self, indices: Sequence[Any]) -> list[Any]:
         """A whole batch with one store request; misses computed and written back."""
         rt = self._runtime()
-        indices = [self._normalize(i) for i in indices]
+        fast = rt.fast_length
+        indices = [i if type(i) is int and 0 <= i < fast else self._normalize(i)
+                   for i in indices]
         p = rt.prefetcher()
         if rt.batch_size is None:
             rt.batch_size = len(indices)

@@ -55,6 +55,7 @@ from .format import (
     PREFIX_NOCHECK,
     SEED0,
     SEED_NOCHECK,
+    SEED_OOB,
     SIGNED_HEADER_SIZE,
     VERSION,
     XXH_TAG,
@@ -87,6 +88,7 @@ __all__ = [
 ]
 
 _SLICE_MAX = 2048  # decode copies payloads up to this size instead of making a memoryview
+_OOB_HOT_TYPES = (bytes, bytearray, memoryview)  # what readers hand decode()
 _MIN_VALUE_BYTES = 4096  # floor of max_value_bytes: the hot paths need no bound check
 
 
@@ -158,6 +160,7 @@ class Codec:
         "_env",
         "_hot",
         "_hot_limit",
+        "_hot_oob",
         "_hot_signed",
         "_kind",
         "_signer",
@@ -236,6 +239,7 @@ class Codec:
         else:
             self._hot_limit = compress_threshold
         self._hot = PREFIX0 if plain_unsigned else b""
+        self._hot_oob = FIXED.pack(MAGIC, VERSION, F_OOB) if plain_unsigned else b""
         # ... and for small signed values (flags MAC, + PLAIN without pickle), with a secret.
         signed = FIXED.pack(MAGIC, VERSION, F_MAC if allow_pickle else F_MAC | F_PLAIN)
         self._hot_signed = b"" if self._signer is None else signed
@@ -333,7 +337,7 @@ class Codec:
     def _pickle(self, obj: object) -> tuple[bytes, list[pickle.PickleBuffer]]:
         if type(obj) in ATOMIC or self.protocol < 5:
             return pickle.dumps(obj, self.protocol), []
-        if "torch" in sys.modules:
+        if "torch" in sys.modules or "numpy" in sys.modules:  # arrays: see `reduce_array`
             return dumps_special(obj, self.protocol)
         bufs: list[pickle.PickleBuffer] = []
         stream = pickle.dumps(obj, self.protocol, buffer_callback=bufs.append)
@@ -492,6 +496,28 @@ class Codec:
                     if raised_in_signal_handler(exc):
                         raise
                     raise unpickle_error(exc) from exc
+        if self._hot_oob and type(data) in _OOB_HOT_TYPES:
+            # Hot path of arrays and tensors: flags F_OOB alone (pickled out-of-band,
+            # unsigned, not compressed), as _decode takes it, without its other cases.
+            try:
+                prefix, tag = HOT.unpack_from(data)
+            except struct.error:
+                prefix = None
+            if prefix == self._hot_oob:
+                view = data if type(data) is memoryview else memoryview(data)
+                if view.ndim == 1 and view.itemsize == 1 \
+                        and len(view) <= self.max_value_bytes:
+                    payload = view[HEADER_SIZE:]
+                    if xxh3_64_intdigest(payload, xxh3_64_intdigest(key, SEED_OOB)) != tag:
+                        raise DecodeError(MISMATCH)
+                    stream, buffers = split_oob(
+                        payload, HEADER_SIZE if owned and not view.readonly else None)
+                    try:
+                        return pickle.loads(stream, buffers=buffers)
+                    except Exception as exc:
+                        if raised_in_signal_handler(exc):
+                            raise
+                        raise unpickle_error(exc) from exc
         return self._decode(data, key, owned)
 
     def decode_hot(self, blobs: Sequence[Any], keys: Sequence[bytes], out: list[Any]

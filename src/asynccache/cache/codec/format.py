@@ -34,6 +34,7 @@ SIGNED_HEADER_SIZE = FIXED.size + MAC_SIZE  # 20
 FLAG_SEEDS = tuple(xxh3_64_intdigest(bytes([VERSION, f])) for f in range(256))
 SEED0 = FLAG_SEEDS[0]
 SEED_NOCHECK = FLAG_SEEDS[F_NOCHECK]
+SEED_OOB = FLAG_SEEDS[F_OOB]
 HOT = struct.Struct("<4sQ")  # fixed header + xxh3 tag, read and written in one call
 PREFIX0 = FIXED.pack(MAGIC, VERSION, 0)
 PREFIX_NOCHECK = FIXED.pack(MAGIC, VERSION, F_NOCHECK)
