@@ -507,11 +507,11 @@ class Codec:
                 view = data if type(data) is memoryview else memoryview(data)
                 if view.ndim == 1 and view.itemsize == 1 \
                         and len(view) <= self.max_value_bytes:
-                    payload = view[HEADER_SIZE:]
-                    if xxh3_64_intdigest(payload, xxh3_64_intdigest(key, SEED_OOB)) != tag:
+                    body = view[HEADER_SIZE:]
+                    if xxh3_64_intdigest(body, xxh3_64_intdigest(key, SEED_OOB)) != tag:
                         raise DecodeError(MISMATCH)
                     stream, buffers = split_oob(
-                        payload, HEADER_SIZE if owned and not view.readonly else None)
+                        body, HEADER_SIZE if owned and not view.readonly else None)
                     try:
                         return pickle.loads(stream, buffers=buffers)
                     except Exception as exc:
