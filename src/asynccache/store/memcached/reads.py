@@ -23,7 +23,8 @@ from ..protocol.memcache import (
     safe_memcached_keys,
     unexpected_reply,
 )
-from ..transport.blocking import BlockingConnection, Request, value_buffer
+from ..transport.blocking import BlockingConnection, Request
+from ..transport.buffers import value_buffer
 from ..transport.endpoint import Endpoint
 
 __all__ = ["BlockingMemcachedConnection"]

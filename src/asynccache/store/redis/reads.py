@@ -17,7 +17,8 @@ from ...errors import StoreError, StoreUnavailable
 from ..api import NodeName
 from ..protocol.resp import RespParser, check_mget_reply, pack_mget, setup_refused, unexpected_reply
 from ..protocol.resp_bulk import BIG_VALUE, BulkReader
-from ..transport.blocking import BlockingConnection, Closed, Request, value_buffer
+from ..transport.blocking import BlockingConnection, Closed, Request
+from ..transport.buffers import value_buffer
 from .endpoint import RedisEndpoint
 
 __all__ = ["BlockingRespConnection"]

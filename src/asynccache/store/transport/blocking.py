@@ -26,39 +26,13 @@ from ...errors import StoreError, StoreTimeout
 from ..api import ConsumerConnection, NodeName
 from .endpoint import Endpoint, readable_while_idle, wait_ready
 
-__all__ = ["RECV_BUDGET", "BlockingConnection", "Request", "value_buffer"]
+__all__ = ["RECV_BUDGET", "BlockingConnection", "Request"]
 
 #: Bytes received per call before the replies are parsed: a parser keeps its unparsed
 #: rest to about one reply, so a window of large replies is not copied once per reply.
 RECV_BUDGET = 1 << 18
 POLLIN = select.POLLIN | select.POLLERR | select.POLLHUP
 POLLOUT = select.POLLOUT | select.POLLERR | select.POLLHUP
-
-
-def value_buffer(size: int) -> bytearray | memoryview:
-    """Memory for one large value, received in place, not zeroed first (the socket
-    overwrites all of it): ``numpy.empty`` when numpy is installed (``bytearray(n)``
-    writes n zeros, a pass over memory as long as the copy from the kernel), else a
-    bytearray. Either starts where its allocation starts (16-byte aligned)."""
-    np = _numpy()
-    if np is None:
-        return bytearray(size)
-    return memoryview(np.empty(size, dtype=np.uint8))
-
-
-def _numpy() -> Any:
-    global _NP
-    if _NP is False:
-        try:
-            import numpy
-        except ImportError:
-            _NP = None
-        else:
-            _NP = numpy
-    return _NP
-
-
-_NP: Any = False
 
 
 class Closed(Exception):
