@@ -11,11 +11,14 @@ costs (`bench/results/wire.md`).
 
 glibc raises both thresholds by itself once the process frees a block it had mapped
 (``mmap_threshold`` to its size, ``trim_threshold`` to twice that: "this process handles
-blocks this large"); a job with 4 MiB samples gets there on its first value. `prime()`
-shows it one such block of `PRIME_BYTES` before the first large value, so values of
-64 KiB–4 MiB are recycled from the heap instead of faulted in again: the heap keeps up to
-2 x `PRIME_BYTES` of freed memory for the next batch. Elsewhere (musl, macOS, or with
-``M_MMAP_THRESHOLD`` set, which turns the adjustment off) it costs one allocation.
+blocks this large"), up to a block of 32 MiB. `prime()` shows it one such block of
+`PRIME_BYTES` (30 MiB, just under that cap) before the first large value, so values of
+64 KiB up to 30 MiB are served from the heap and up to 60 MiB freed at once (a batch of
+32 values of 1 MiB) stay there for the next batch instead of being faulted in again. The
+heap keeps no more than it grew to at its peak. Larger batches (32 values of 4 MiB) are
+past what glibc adjusts by itself (``MALLOC_TRIM_THRESHOLD_`` set by the user reaches
+them). Elsewhere (musl, macOS, or with ``M_MMAP_THRESHOLD`` set, which turns the
+adjustment off) it costs one allocation of untouched memory.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from typing import Any
 __all__ = ["PRIME_BYTES", "prime", "value_buffer"]
 
 #: the block `prime()` allocates and frees: glibc then serves blocks up to this size from
-#: the heap and keeps twice this much freed memory in it before trimming
-PRIME_BYTES = 4 << 20
+#: the heap and keeps twice this much freed memory in it before trimming (glibc adjusts
+#: for freed blocks of up to 32 MiB: DEFAULT_MMAP_THRESHOLD_MAX on 64-bit)
+PRIME_BYTES = 30 << 20
 
 
 def value_buffer(size: int) -> bytearray | memoryview:
