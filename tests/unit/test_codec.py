@@ -403,8 +403,10 @@ def test_torch_roundtrip_writable(dtype: torch.dtype, shape: tuple[int, ...]) ->
         lambda: torch.arange(12.0).reshape(3, 4)[1:, 1:3],
         lambda: torch.complex(torch.ones(3), torch.arange(3.0)).conj(),
         lambda: torch.arange(4.0).expand(3, 4),
+        lambda: torch.arange(1000.0)[10:20],
+        lambda: torch._neg_view(torch.arange(3.0)),
     ],
-    ids=["transposed", "stepped", "sliced", "conj", "expanded"],
+    ids=["transposed", "stepped", "sliced", "conj", "expanded", "offset", "neg"],
 )
 def test_torch_views_roundtrip(make: Any) -> None:
     t = make()
@@ -412,6 +414,15 @@ def test_torch_views_roundtrip(make: Any) -> None:
     assert torch.equal(out, t.resolve_conj())
     assert not out.is_conj()
     out.add_(1)
+
+
+def test_a_contiguous_slice_stores_its_own_values_only() -> None:
+    """Reduced as its memory as it is (no copy), a slice is still only its own bytes,
+    not the storage it is a view of."""
+    t = torch.arange(1_000_000, dtype=torch.float32)[500:510]
+    blob = DEFAULT_CODEC.encode(t, KEY)
+    assert len(blob) < 200
+    assert torch.equal(DEFAULT_CODEC.decode(blob, KEY), t)
 
 
 def test_rebuild_tensor_from_readonly_or_bad_input() -> None:
