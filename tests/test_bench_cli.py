@@ -104,10 +104,13 @@ def test_smoke_run_writes_tables_json_and_plots(
     assert "cold, no set_order DataLoader epoch vs no cache (lower is better)" in rows
     assert rows["2 ranks x 2 workers: warm reads served by read-ahead"]["ratio"] <= 1.0
     assert "tiered warm epoch vs far alone, +1 ms (lower is better)" in rows
-    for size in ("4 KiB", "100 KiB"):  # the README's loop against its limit and diskcache
+    for size in ("4 KiB", "100 KiB", "1 MiB"):  # the README's loop: limit, diskcache, RSS
         assert f"warm DataLoader epoch, {size}, asynccache, redis vs diskcache" in rows
         assert (f"warm DataLoader epoch, {size}, asynccache, lmdb vs the loader's own limit"
                 in rows)
+        rss = rows[f"warm DataLoader epoch, {size}, asynccache, redis: peak RSS per worker "
+                   "vs the loader's limit (lower is better)"]
+        assert rss["peer_value"] > 50 and rss["ours_value"] > 50  # MiB: a real worker's
     assert "shuffle=True, persistent workers: warm reads served by read-ahead" in rows
     assert set(goals["samplers"]["cases"]) >= {"own RNG (not followable), fresh workers"}
     assert all(row["ours_value"] > 0 and row["peer_value"] > 0 for row in rows.values())

@@ -21,8 +21,8 @@ repetitions); the README states the goals and the bars, this module only measure
   that cost ~1.5 ms of CPU each) through ``async_kv_cache`` with an empty store, with
   ``set_order(loader.batch_sampler)`` and without it (the default use), and again warm,
   against the same epoch reading the source without a cache;
-* **loader** -- warm epochs of the README's loop (2 workers, shuffled, 4 KiB and 100 KiB
-  float32 arrays) through ``async_kv_cache`` on Redis and LMDB, against the same loader
+* **loader** -- warm epochs of the README's loop (2 workers, shuffled, 4 KiB, 100 KiB and
+  1 MiB float32 arrays) through ``async_kv_cache`` on Redis and LMDB, against the same loader
   over a dataset that costs nothing and over a ``diskcache.Cache`` wrapper
   (`asynccache.bench.loader`);
 * **ranks** -- a ``torch.distributed`` job (`asynccache.bench.ranks`): the share of warm
@@ -621,6 +621,12 @@ def summary_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
                          loader.REDIS, cases[loader.REDIS]["items_per_s"], loader.DISKCACHE,
                          cases[loader.DISKCACHE]["items_per_s"],
                          block["ratio_vs_diskcache"][loader.REDIS], "items/s"))
+        if "rss_vs_limit" in block:  # absent in results of an older run
+            rows.append(_row(f"warm DataLoader epoch, {size}, {loader.REDIS}: peak RSS per "
+                             "worker vs the loader's limit (lower is better)", loader.REDIS,
+                             cases[loader.REDIS]["worker_peak_rss_mib"], loader.LIMIT,
+                             cases[loader.LIMIT]["worker_peak_rss_mib"],
+                             block["rss_vs_limit"][loader.REDIS], "MiB"))
     cold = results["cold"]["median_s"]
     for phase in ("cold", "cold, no set_order", "warm"):
         if phase not in cold:  # results of an older run
@@ -655,6 +661,8 @@ def _fmt(value: float, unit: str) -> str:
         return f"{value:.0%}"
     if unit == "MB/s":
         return f"{value:,.0f} MB/s"
+    if unit == "MiB":
+        return f"{value:,.0f} MiB"
     return f"{fmt_rate(value)}/s"
 
 
@@ -688,6 +696,8 @@ def table(results: dict[str, Any]) -> str:
 
 
 def _group(goal: str) -> str:
+    if "peak RSS" in goal:
+        return "memory"
     if goal.startswith(("cold", "warm")):
         return "epochs"
     if goal.startswith(("2 ranks", "tiered")):

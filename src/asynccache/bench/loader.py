@@ -3,7 +3,8 @@
 The README's loop: ``DataLoader(dp, batch_size=32, shuffle=True, num_workers=2)`` (no
 generator, workers started afresh each epoch, the default collate making tensors of the
 float32 arrays), ``dp.set_order(loader.batch_sampler)``. Items are float32 arrays of
-4 KiB and 100 KiB, already in every cache (warm). Cases, timed round-robin:
+4 KiB, 100 KiB (4,000 of each) and 1 MiB (640), already in every cache (warm). Cases, timed
+round-robin, each with the peak RSS of its workers:
 
 * **the loader's limit**: the same loader over a dataset that costs nothing (it returns
   one prebuilt array): what the workers, their queues and the collate cost alone, the
@@ -14,13 +15,19 @@ float32 arrays), ``dp.set_order(loader.batch_sampler)``. Items are float32 array
   ``diskcache.Cache`` in a temporary directory, ``get`` then compute and ``set`` on a
   miss (each worker opens the directory itself).
 
-The goals divide each cache's items/s by the limit's, and asynccache's by diskcache's.
-Nothing here is asserted on timings.
+The goals divide each cache's items/s by the limit's, and asynccache's by diskcache's,
+and compare the workers' peak RSS with the limit's (a worker's RSS counts the pages it
+shares with the process it was forked from, alike for every case). Nothing here is
+asserted on timings.
 """
 
 from __future__ import annotations
 
+import functools
+import multiprocessing
+import multiprocessing.util
 import os
+import resource
 import shutil
 import statistics
 import tempfile
@@ -34,8 +41,9 @@ import asynccache as ac
 
 from ._common import BenchError, Session, Store
 
-SIZES = (4 * 1024, 100 * 1024)
+SIZES = (4 * 1024, 100 * 1024, 1024 * 1024)
 ITEMS = (4_000, 2_000, 256)  # full, quick, smoke
+BYTES = (640 << 20, 256 << 20, 64 << 20)  # caps the items of large values
 REPS = (5, 3, 1)
 BATCH, WORKERS = 32, 2
 LIMIT, REDIS, LMDB, DISKCACHE = ("the loader's limit", "asynccache, redis",
@@ -97,20 +105,34 @@ class DiskCached:
         return {**self.__dict__, "_cache": None, "_pid": -1}
 
 
-def _epoch(dataset: Any) -> float:
-    """One epoch of the README's loop, fresh workers: seconds."""
+def _report_peak(slots: Any, worker_id: int) -> None:
+    """``worker_init_fn``: when the worker exits, its peak RSS (KiB) into
+    ``slots[worker_id]`` (it changes nothing the loop does)."""
+    def report() -> None:
+        slots[worker_id] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+    multiprocessing.util.Finalize(None, report, exitpriority=100)
+
+
+def _epoch(dataset: Any) -> tuple[float, int]:
+    """One epoch of the README's loop, fresh workers: (seconds, the largest peak RSS of
+    a worker in KiB; it counts the pages a worker shares with the process it was forked
+    from, alike for every case of a run)."""
     from torch.utils.data import DataLoader
 
-    loader = DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=WORKERS)
+    slots = multiprocessing.Array("q", WORKERS, lock=False)
+    loader = DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=WORKERS,
+                        worker_init_fn=functools.partial(_report_peak, slots))
     if isinstance(dataset, ac.AsyncKVCacheMapDataPipe):
         assert loader.batch_sampler is not None
         dataset.set_order(loader.batch_sampler)
     started = time.perf_counter()
     got = sum(len(batch) for batch in loader)
     seconds = time.perf_counter() - started
+    del loader  # its workers have exited (the iterator shut them down when it ended)
     if got != len(dataset):
         raise BenchError(f"an epoch read {got} of {len(dataset)} items")
-    return seconds
+    return seconds, max(slots)
 
 
 def _pipes(s: Session, store: Store, root: str, source: Values
@@ -147,19 +169,22 @@ def _size(s: Session, store: Store, root: str, n: int, size: int, reps: int
     pipes = _pipes(s, store, root, source)
     datasets: dict[str, Any] = {LIMIT: Free(n, size), **pipes, DISKCACHE: disk}
     times: dict[str, list[float]] = {case: [] for case in CASES}
+    peaks: dict[str, list[int]] = {case: [] for case in CASES}
     try:
         for rep in range(reps + 1):  # rep 0: warm-up
             for case in CASES:
-                seconds = _epoch(datasets[case])
+                seconds, peak = _epoch(datasets[case])
                 if rep:
                     times[case].append(seconds)
+                    peaks[case].append(peak)
         computed = {case: pipe.stats()["computed"] for case, pipe in pipes.items()}
     finally:
         for pipe in pipes.values():
             pipe.close()
     if any(computed.values()):
         raise BenchError(f"warm epochs computed items: {computed}")
-    cases = {case: {"epoch_s": statistics.median(t), "items_per_s": n / statistics.median(t)}
+    cases = {case: {"epoch_s": statistics.median(t), "items_per_s": n / statistics.median(t),
+                    "worker_peak_rss_mib": statistics.median(peaks[case]) / 1024}
              for case, t in times.items()}
     limit = cases[LIMIT]["items_per_s"]
     return {
@@ -170,19 +195,22 @@ def _size(s: Session, store: Store, root: str, n: int, size: int, reps: int
                            for case in (REDIS, LMDB, DISKCACHE)},
         "ratio_vs_diskcache": {case: cases[case]["items_per_s"]
                                / cases[DISKCACHE]["items_per_s"] for case in (REDIS, LMDB)},
+        "rss_vs_limit": {case: cases[case]["worker_peak_rss_mib"]
+                         / cases[LIMIT]["worker_peak_rss_mib"]
+                         for case in (REDIS, LMDB, DISKCACHE)},
     }
 
 
 def run(s: Session, store: Store) -> dict[str, Any]:
     """Every size, on ``store`` (the run's Redis) and local LMDB and diskcache."""
     mode = s.mode_index
-    n, reps = ITEMS[mode], min(REPS[mode], s.reps)
+    reps = min(REPS[mode], s.reps)
     root = tempfile.mkdtemp(prefix="asynccache-bench-loader-")
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "This DataLoader will create")
-            by_size = [_size(s, store, root, n, size, reps) for size in SIZES]
+            by_size = [_size(s, store, root, min(ITEMS[mode], BYTES[mode] // size), size,
+                             reps) for size in SIZES]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    return {"items": n, "reps": reps, "workers": WORKERS, "batch": BATCH,
-            "by_size": by_size}
+    return {"reps": reps, "workers": WORKERS, "batch": BATCH, "by_size": by_size}
