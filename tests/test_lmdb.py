@@ -97,6 +97,14 @@ def test_two_workers_share_values_and_epoch_two_computes_nothing(
         loader = DataLoader(dp, batch_size=10, shuffle=True, num_workers=2,
                             multiprocessing_context=method, persistent_workers=persistent,
                             collate_fn=listed)
+        if persistent:
+            # The README's loop. Without an order a persistent worker cannot tell its last
+            # batch of an epoch: its writes may still be on their way when another worker
+            # reads that key in the next epoch's first milliseconds and computes it once
+            # more (datapipe.py, __getitems__; CI once: 1 of 200). With the order, the last
+            # batch of each worker's share waits for its own writes.
+            assert loader.batch_sampler is not None
+            dp.set_order(loader.batch_sampler)
         for epoch in range(2):
             seen = [item for batch in loader for item in batch]
             assert sorted(v["i"] for v in seen) == list(range(n))
