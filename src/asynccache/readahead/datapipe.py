@@ -68,7 +68,7 @@ class PipeRuntime(ProcessRuntime):
         self.pipe = pipe
         self.length = len(pipe)
         #: ``0 <= i < fast_length`` means "an int index needing no normalization"
-        self.fast_length = self.length if pipe._mapping is None else -1
+        self.fast_length = pipe._fast_length()
         self.local = threading.local()
         #: the read-ahead's memory in this process, shared by the threads' windows
         self.budget = Budget(pipe.readahead_bytes)
@@ -310,6 +310,17 @@ class AsyncKVCacheMapDataPipe(_Base):
         int; other keys by the documented key encoding (docs/design.md, "Keys")."""
         return self.keyspace.key(index)
 
+    def _fast_length(self) -> int:
+        """``0 <= i < _fast_length()`` for an int ``i`` means it is its own canonical form
+        (-1 for a keyed source: nothing is)."""
+        return len(self.source) if self._mapping is None else -1
+
+    def _normalize_all(self, indices: Iterable[Any], fast: int) -> list[Any]:
+        """`_normalize` of each index, skipped for the in-range ints (most of them): it
+        would run once per item on the hit path."""
+        return [i if type(i) is int and 0 <= i < fast else self._normalize(i)
+                for i in indices]
+
     def _normalize(self, index: Any) -> Any:
         """The canonical form of an index: an int in range for a sequence source (numpy
         and torch integers converted, negatives counted from the end), the key itself
@@ -362,10 +373,8 @@ class AsyncKVCacheMapDataPipe(_Base):
         return order
 
     def _plan_from(self, items: list[Any]) -> list[Any]:
-        fast = len(self.source) if self._mapping is None else -1  # as `PipeRuntime.fast_length`
         try:
-            return [i if type(i) is int and 0 <= i < fast else self._normalize(i)
-                    for i in items]
+            return self._normalize_all(items, self._fast_length())
         except (IndexError, TypeError) as exc:
             raise ConfigError(f"order contains an index this dataset does not have: "
                               f"{exc}") from exc
@@ -429,9 +438,7 @@ class AsyncKVCacheMapDataPipe(_Base):
     def __getitems__(self, indices: Sequence[Any]) -> list[Any]:
         """A whole batch with one store request; misses computed and written back."""
         rt = self._runtime()
-        fast = rt.fast_length
-        indices = [i if type(i) is int and 0 <= i < fast else self._normalize(i)
-                   for i in indices]
+        indices = self._normalize_all(indices, rt.fast_length)
         p = rt.prefetcher()
         if rt.batch_size is None:
             rt.batch_size = len(indices)

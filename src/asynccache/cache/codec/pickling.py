@@ -67,12 +67,11 @@ def reduce_array(a: Any, protocol: int) -> Any:
     is left to numpy's own reduction. A read-only array is reduced from a writable copy:
     pickle would mark its buffer read-only and decode would give a read-only array,
     which torch (``as_tensor``/``from_numpy``, hence ``default_collate``) warns about."""
+    copied = not a.flags.writeable
+    if copied:
+        a = a.copy(order="K")
     if a.dtype.kind not in ARRAY_KINDS or not a.flags.c_contiguous:
-        if not a.flags.writeable:
-            return a.copy(order="K").__reduce_ex__(protocol)
-        return NotImplemented
-    if not a.flags.writeable:
-        a = a.copy()
+        return a.__reduce_ex__(protocol) if copied else NotImplemented
     return rebuild_array, (pickle.PickleBuffer(a), a.dtype.str, a.shape)
 
 
@@ -224,10 +223,7 @@ def split_oob(payload: bytes | memoryview, owned_at: int | None = None
     if nbuf == 1:  # most values: one array or tensor (no span list to build)
         if ONE_LENGTH.unpack_from(payload, OOB_HEAD.size)[0] != total - region_start:
             raise DecodeError("out-of-band buffer sizes do not match the value length")
-        if owned_at is not None and (owned_at + region_start) % ALIGN == 0:
-            return payload[table_end:region_start], [memoryview(payload)[region_start:]]
-        return payload[table_end:region_start], [
-            memoryview(bytearray(memoryview(payload)[region_start:]))]
+        return payload[table_end:region_start], [_region(payload, region_start, owned_at)]
     lengths = struct.unpack_from(f"<{nbuf}Q", payload, OOB_HEAD.size)
     spans = []
     pos = 0
@@ -237,11 +233,16 @@ def split_oob(payload: bytes | memoryview, owned_at: int | None = None
         pos += n
     if pos != total - region_start:
         raise DecodeError("out-of-band buffer sizes do not match the value length")
-    if owned_at is not None and (owned_at + region_start) % ALIGN == 0:
-        region = memoryview(payload)[region_start:]  # views of the value's own memory
-    else:
-        region = memoryview(bytearray(memoryview(payload)[region_start:]))  # the one copy
+    region = _region(payload, region_start, owned_at)
     return payload[table_end:region_start], [region[a:b] for a, b in spans]
+
+
+def _region(payload: bytes | memoryview, start: int, owned_at: int | None) -> memoryview:
+    """The buffers' region: a view of the value's own memory where `split_oob` may use it
+    (owned, and aligned there), else its one copy."""
+    if owned_at is not None and (owned_at + start) % ALIGN == 0:
+        return memoryview(payload)[start:]
+    return memoryview(bytearray(memoryview(payload)[start:]))
 
 
 #: copyreg extension codes of the two reconstructors (PEP 307's range for third parties):
