@@ -25,6 +25,10 @@ repetitions); the README states the goals and the bars, this module only measure
   1 MiB float32 arrays) through ``async_kv_cache`` on Redis and LMDB, against the same loader
   over a dataset that costs nothing and over a ``diskcache.Cache`` wrapper
   (`asynccache.bench.loader`);
+* **copies** -- bytes copied (``memcpy``/``memmove``, counted by a preloaded shim) per
+  byte of 100 KiB and 1 MiB values, ``bytes`` and float32 arrays, on Redis and memcached:
+  the pipe's cold writes and warm ``dp[i]``, ``set_many`` and ``get_many``
+  (`asynccache.bench.copies`);
 * **ranks** -- a ``torch.distributed`` job (`asynccache.bench.ranks`): the share of warm
   reads that read-ahead served, with ``set_order`` following ``DistributedSampler``;
 * **tiered** -- a warm DataLoader epoch through ``ac.Tiered(lmdb, redis)`` against the
@@ -50,7 +54,7 @@ import asynccache as ac
 
 from ..cli.progress import Progress
 from ..testing import servers
-from . import loader, plots, ranks, tiered, workers
+from . import copies, loader, plots, ranks, tiered, workers
 from ._common import (
     BenchError,
     Case,
@@ -210,6 +214,8 @@ def run(
             results["cold_cheap"] = _cold(s, redis_store, mode, runner, cheap=True)
             bar.describe("goals: warm epochs in the README's loop")
             results["loader"] = loader.run(s, redis_store)
+            bar.describe("goals: bytes copied per byte")
+            results["copies"] = copies.run(s, redis_store, memcached)
             bar.describe("goals: samplers followed")
             results["samplers"] = _samplers(s, redis_store, mode)
             bar.describe("goals: ranks of a distributed job")
@@ -627,6 +633,14 @@ def summary_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
                              cases[loader.REDIS]["worker_peak_rss_mib"], loader.LIMIT,
                              cases[loader.LIMIT]["worker_peak_rss_mib"],
                              block["rss_vs_limit"][loader.REDIS], "MiB"))
+    for block in results.get("copies", {}).get("results", []):  # absent: older or no cc
+        if block["value_bytes"] != copies.ROW_SIZE:
+            continue
+        size = f"{fmt_size(block['value_bytes'])} {block['kind']}"
+        for phase, per_byte in block["per_byte"].items():
+            rows.append(_row(f"{size}, {block['store']} {phase}: bytes copied per byte "
+                             "(lower is better)", phase, per_byte, "the kernel's own copy",
+                             1.0, per_byte, "bytes/byte"))
     cold = results["cold"]["median_s"]
     for phase in ("cold", "cold, no set_order", "warm"):
         if phase not in cold:  # results of an older run
