@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 import asynccache as ac
 from asynccache.nodes import CachedMapper
 from asynccache.testing import servers
+from asynccache.testing.proxy import FaultProxy, url_through
 
 _ns = itertools.count()
 
@@ -220,3 +221,51 @@ def test_chunked_values_are_decoded_in_place_and_stay_right(
         assert pipe.stats()["misses"] == len(source)
     finally:
         pipe.close()
+
+
+def _chunked_source() -> list[np.ndarray]:
+    """Values over memcached's 1 MiB item size: each is stored as chunks and a manifest."""
+    return [np.full(300_000 + 1000 * i, i, dtype=np.float32) for i in range(12)]
+
+
+def test_chunked_values_are_read_on_the_consumers_own_connection(
+        memcached_server: servers.MemcachedServer, namespace: str) -> None:
+    """A warm pass over chunked values reads their chunks on the consumer's connection,
+    received in place like any large value, not through the core's loop: the server
+    sees one connection (the chunks through the loop took a second one, and three
+    copies of every byte more)."""
+    source = _chunked_source()
+    with ac.AsyncKVCacheMapDataPipe(source, ac.connect(memcached_server.url),
+                                    namespace=namespace) as filler:
+        filler.__getitems__(list(range(len(source))))
+    with FaultProxy(memcached_server.host, memcached_server.port) as proxy:
+        pipe = ac.AsyncKVCacheMapDataPipe(
+            source, ac.connect(url_through(proxy, memcached_server.url)), prefetch=4,
+            namespace=namespace)
+        with pipe:
+            for i in range(len(source)):
+                assert np.array_equal(pipe[i], source[i])
+            assert pipe.stats()["computed"] == 0
+        assert proxy.stats["accepted"] == 1
+
+
+def test_chunked_values_stay_right_when_connections_drop_during_their_reads(
+        memcached_server: servers.MemcachedServer, namespace: str) -> None:
+    """Every connection is reset while chunk reads are on the wire (read-ahead keeps
+    them there): a value whose chunks were lost is read again or computed, never
+    wrong, and the pass goes on."""
+    source = _chunked_source()
+    with ac.AsyncKVCacheMapDataPipe(source, ac.connect(memcached_server.url),
+                                    namespace=namespace) as filler:
+        filler.__getitems__(list(range(len(source))))
+    with FaultProxy(memcached_server.host, memcached_server.port) as proxy:
+        pipe = ac.AsyncKVCacheMapDataPipe(
+            source, ac.connect(url_through(proxy, memcached_server.url), timeout=5),
+            prefetch=6, namespace=namespace)
+        with pipe:
+            for _ in range(2):
+                for i in range(len(source)):
+                    assert np.array_equal(pipe[i], source[i])
+                    if i % 3 == 1:
+                        proxy.reset_all()
+            assert proxy.stats["reset"] > 0

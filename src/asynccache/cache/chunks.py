@@ -16,7 +16,7 @@ from .markers import MISSING, NOT_READ
 if TYPE_CHECKING:
     from .reads import ReadPath
 
-__all__ = ["keys_of", "resolve", "split_entries"]
+__all__ = ["assemble", "chunk_keys_of", "keys_of", "resolve", "split_entries"]
 
 
 def keys_of(store_key: bytes, manifest: ChunkManifest) -> list[bytes]:
@@ -53,19 +53,32 @@ def split_entries(blobs: Mapping[bytes, bytes], limit: int | None, codec: Codec,
     return entries, chunked
 
 
+def chunk_keys_of(store_keys: Sequence[bytes], manifests: Mapping[int, ChunkManifest]
+                  ) -> list[bytes]:
+    """Every chunk key of the values ``manifests`` describe (positions in ``store_keys``),
+    in the order `assemble` takes their blobs: one request reads them all."""
+    return [k for i, m in manifests.items() for k in keys_of(store_keys[i], m)]
+
+
 async def resolve(reads: ReadPath, store_keys: Sequence[bytes],
                   manifests: dict[int, ChunkManifest], out: list[Any],
                   second_look: bool = False) -> None:
     """Replace ``out[i]`` by the joined value of each manifest (one request for all
     chunks; a missing or damaged chunk leaves the miss in place)."""
+    blobs, _error = await reads.blobs(chunk_keys_of(store_keys, manifests))
+    assemble(reads, store_keys, manifests, out, blobs, second_look)
+
+
+def assemble(reads: ReadPath, store_keys: Sequence[bytes],
+             manifests: Mapping[int, ChunkManifest], out: list[Any], blobs: Sequence[Any],
+             second_look: bool = False) -> None:
+    """`resolve` once the chunks were read (``blobs``, in `chunk_keys_of`'s order), by
+    whichever path read them: no I/O."""
     cache = reads.cache
-    plan = {i: keys_of(store_keys[i], m) for i, m in manifests.items()}
-    all_keys = [k for keys in plan.values() for k in keys]
-    blobs, _error = await reads.blobs(all_keys)
     pos = 0
-    for i, keys in plan.items():
-        parts = blobs[pos : pos + len(keys)]
-        pos += len(keys)
+    for i, manifest in manifests.items():
+        parts = blobs[pos : pos + manifest.chunks]
+        pos += manifest.chunks
         if any(p is None or p is NOT_READ for p in parts):
             continue  # a chunk was evicted (or not read): the whole value is a miss
         keep = cache.l1 is not None  # the L1 tier keeps the bytes: decode a copy

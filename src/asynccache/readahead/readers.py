@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import logging
 import threading
 import time
@@ -17,6 +16,7 @@ from typing import Any
 
 from .._interrupts import raised_in_signal_handler
 from ..cache import chunks
+from ..cache.codec import ChunkManifest
 from ..cache.core import AsyncKVCache
 from ..errors import CacheError, LoopError, StoreError
 from ..store.api import NOT_READ, ConsumerReads
@@ -33,9 +33,9 @@ AWAY = 0.05
 class Ticket:
     """One read of a batch of keys, from submission to its values."""
 
-    __slots__ = ("abandoned", "arrived", "deadline", "direct", "done", "epoch", "error",
-                 "generation", "indices", "keys", "largest", "nbytes", "parent", "partial",
-                 "remaining", "values")
+    __slots__ = ("abandoned", "arrived", "chunks_of", "deadline", "direct", "done", "epoch",
+                 "error", "generation", "indices", "keys", "largest", "nbytes", "parent",
+                 "partial", "remaining", "values", "waiting_for")
 
     def __init__(self, indices: list[Any], keys: list[bytes], *, direct: bool = False,
                  generation: int = 0) -> None:
@@ -57,6 +57,10 @@ class Ticket:
         self.parent: tuple[Ticket, list[int]] | None = None
         #: held until the loop thread completed it (LoopReader; see LoopReader.wait)
         self.arrived: Any = None
+        #: SocketReader: a ticket reading the chunks of another's chunked values (that
+        #: ticket and its manifests), and the one a ticket waits for to be complete
+        self.chunks_of: tuple[Ticket, dict[int, ChunkManifest]] | None = None
+        self.waiting_for: Ticket | None = None
 
 
 class Reader(ABC):
@@ -207,6 +211,8 @@ class SocketReader(Reader):
             upto = next((n for n, (t, _, _) in enumerate(parts) if t is ticket), None)
             if upto is not None:
                 self._read(ci, upto + 1)
+        if not ticket.done and ticket.waiting_for is not None:  # its chunks, sent just now
+            self._advance(ticket.waiting_for)
         completed, self.completed = self.completed, []
         return completed
 
@@ -219,15 +225,16 @@ class SocketReader(Reader):
 
     def _wait_for(self, ticket: Ticket) -> bool:
         while not ticket.done:
+            wanted = ticket.waiting_for or ticket  # its own parts, else its chunks'
             ci = next((ci for ci, parts in enumerate(self.parts)
-                       if any(t is ticket for t, _, _ in parts)), None)
+                       if any(t is wanted for t, _, _ in parts)), None)
             if ci is None:  # on no wire (a reset dropped it): no reply can complete it
-                ticket.partial = True
-                ticket.error = ticket.error or StoreError(
+                wanted.partial = True
+                wanted.error = wanted.error or StoreError(
                     "a read was dropped with its connection; it is read again")
-                ticket.remaining = 0
-                self._finish(ticket)
-                break
+                wanted.remaining = 0
+                self._finish(wanted)
+                continue
             try:
                 reply = self.conns[ci].receive()
             except StoreError as exc:
@@ -292,16 +299,37 @@ class SocketReader(Reader):
 
     def _finish(self, ticket: Ticket) -> None:
         cache = self.cache
+        cache.counters.shard()["batches"] += 1
+        if ticket.chunks_of is not None:
+            self._chunks_read(ticket)
+            return
         values, manifests, ticket.nbytes, ticket.largest = cache.reads.decode(
             ticket.keys, ticket.values, owned=self.owned)
-        if manifests:  # chunked values: their chunks come through the core's loop
-            try:
-                self.loop.call(chunks.resolve(cache.reads, ticket.keys, manifests, values),
-                               cache.client.timeout * 2 + 1)
-            except (concurrent.futures.TimeoutError, CacheError):
-                pass  # the chunked values stay misses; the core counted what failed
-        cache.counters.shard()["batches"] += 1
         ticket.values = values
+        if manifests:
+            # chunked values: their chunks on these same connections (received in place
+            # like any large value), in one more request; the ticket completes with it
+            chunk_read = Ticket([], chunks.chunk_keys_of(ticket.keys, manifests),
+                                direct=ticket.direct, generation=ticket.generation)
+            chunk_read.chunks_of = (ticket, manifests)
+            ticket.waiting_for = chunk_read
+            self.submit(chunk_read)
+            return
+        ticket.done = True
+        self.completed.append(ticket)
+
+    def _chunks_read(self, chunk_read: Ticket) -> None:
+        """The chunks of a ticket's chunked values arrived (or failed: those values stay
+        misses, the failure counted where it happened): join them, complete the ticket."""
+        assert chunk_read.chunks_of is not None
+        ticket, manifests = chunk_read.chunks_of
+        # the window's budget counts what was read, the largest value whole
+        ticket.nbytes += sum(len(blob) for blob in chunk_read.values
+                             if blob is not None and blob is not NOT_READ)
+        ticket.largest = max(ticket.largest, *(m.size for m in manifests.values()))
+        chunks.assemble(self.cache.reads, ticket.keys, manifests, ticket.values,
+                        chunk_read.values)
+        ticket.waiting_for = None
         ticket.done = True
         self.completed.append(ticket)
 
