@@ -269,3 +269,30 @@ def test_chunked_values_stay_right_when_connections_drop_during_their_reads(
                     if i % 3 == 1:
                         proxy.reset_all()
             assert proxy.stats["reset"] > 0
+
+
+@pytest.mark.anyio
+async def test_async_reads_receive_large_values_in_place_and_readers_own_them(
+        memcached_server: servers.MemcachedServer, namespace: str) -> None:
+    """``get_many`` on the asyncio path (memcached: its connection receives values of
+    64 KiB or more into memory of their own): every value right and writable, a reader's
+    change reaches no other read and not the store; the client's own ``get_many`` still
+    gives ``bytes``."""
+    client = ac.connect(memcached_server.url)
+    values = {f"k{i}": np.full(40_000 + 5_000 * i, i, np.float32) for i in range(8)}
+    values["small"] = np.arange(10, dtype=np.float32)
+    try:
+        async with ac.AsyncKVCache(client, namespace=namespace) as cache:
+            await cache.set_many(values)
+            for _ in range(3):
+                got = await cache.get_many(list(values))
+                assert got.keys() == values.keys()
+                for key, value in got.items():
+                    assert np.array_equal(value, values[key]) and value.flags.writeable
+                    value[...] = -1
+            assert np.array_equal(await cache.get("k3"), values["k3"])
+        await client.set_many({b"raw-big": b"\x07" * 200_000, b"raw-small": b"s"})
+        raw = await client.get_many([b"raw-big", b"raw-small"])
+        assert raw == [b"\x07" * 200_000, b"s"] and all(type(v) is bytes for v in raw)
+    finally:
+        await client.close()

@@ -254,10 +254,12 @@ def test_safe_memcached_keys_never_lets_a_space_or_an_empty_key_through() -> Non
 
 
 # -- large values received in place (a socket's parser, given ``alloc``) ------------------
-def parsed_in_place(keys: list[bytes], stream: bytes, step: int, big: int = 4) -> Any:
+def parsed_in_place(keys: list[bytes], stream: bytes, step: int, big: int = 4,
+                    fed: bool = False) -> Any:
     """What a socket's ReplyParser (values of ``big`` bytes or more received into buffers
     of their own) makes of ``stream`` received ``step`` bytes at a time (0: as much as
-    the buffer takes), through ``buffer()``/``received()`` as a socket does."""
+    the buffer takes), through ``buffer()``/``received()`` as a socket does (``fed``:
+    through ``feed()``, as an event loop that hands out ``bytes`` does)."""
     allocated: list[bytearray] = []
 
     def alloc(n: int) -> bytearray:
@@ -276,8 +278,11 @@ def parsed_in_place(keys: list[bytes], stream: bytes, step: int, big: int = 4) -
                 return INCOMPLETE
             room = parser.buffer()
             n = min(len(room), len(view), step or len(view))
-            room[:n] = view[:n]
-            parser.received(n)
+            if fed:
+                parser.feed(bytes(view[:n]))
+            else:
+                room[:n] = view[:n]
+                parser.received(n)
             view = view[n:]
     except ProtocolViolation:
         return VIOLATION
@@ -294,15 +299,16 @@ def parsed_in_place(keys: list[bytes], stream: bytes, step: int, big: int = 4) -
 
 
 @settings(max_examples=250, deadline=None)
-@given(get_replies(), st.integers(min_value=0, max_value=17), st.sampled_from([1, 4, 16]))
+@given(get_replies(), st.integers(min_value=0, max_value=17), st.sampled_from([1, 4, 16]),
+       st.booleans())
 def test_large_values_received_in_place_are_the_reference_values(
-    case: tuple[list[bytes], bytes], step: int, big: int
+    case: tuple[list[bytes], bytes], step: int, big: int, fed: bool
 ) -> None:
     keys, stream = case
     expected = reference(keys, stream)
-    assert parsed_in_place(keys, stream, step, big) == expected
+    assert parsed_in_place(keys, stream, step, big, fed) == expected
     for cut in range(len(stream)):  # every prefix: not complete yet, never a wrong value
-        assert parsed_in_place(keys, stream[:cut], step, big) in (INCOMPLETE, VIOLATION)
+        assert parsed_in_place(keys, stream[:cut], step, big, fed) in (INCOMPLETE, VIOLATION)
 
 
 @settings(max_examples=1000, deadline=None)

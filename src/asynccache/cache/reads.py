@@ -182,7 +182,8 @@ class ReadPath:
                          sizes: list[tuple[int, int]] | None = None,
                          second_look: bool = False) -> tuple[list[Any], StoreError | None]:
         blobs, error = await self.blobs(store_keys)
-        values, manifests, nbytes, largest = self.decode(store_keys, blobs, second_look)
+        values, manifests, nbytes, largest = self.decode(
+            store_keys, blobs, second_look, self.cache.client.reads_own_buffers)
         if sizes is not None:
             sizes.append((nbytes, largest))
         if manifests:

@@ -239,6 +239,10 @@ class BaseClient(ABC, Generic[StateT]):
     #: Values live in this process only (``memory://``): DataLoader workers, other
     #: processes and machines never see them (the pipe warns when used in a worker).
     process_local: ClassVar[bool] = False
+    #: `read()` hands out values of 64 KiB or more as memory of their own (writable
+    #: buffers nothing else holds, received in place), not ``bytes``: the cache decodes
+    #: them without a copy. `get_many()` still returns ``bytes``.
+    reads_own_buffers: ClassVar[bool] = False
     expiry_slack: ClassVar[float] = 0.0
     """How much later than asked an expiry may happen (memcached counts whole seconds):
     a process waiting on another's lease waits this much longer before giving up."""
@@ -378,6 +382,8 @@ class BaseClient(ABC, Generic[StateT]):
         result = await self.read(keys)
         for error in result.failures.values():
             raise error
+        if self.reads_own_buffers:  # bytes out, as promised
+            return [v if v is None or type(v) is bytes else bytes(v) for v in result.values]
         return result.values
 
     async def set_many(self, mapping: Mapping[bytes, bytes], ttl: float | None = None) -> None:

@@ -289,7 +289,7 @@ class Tiered(BaseClient[_Copies]):
                 values[i] = NOT_READ
                 continue
             if value is not None and values[i] is None:  # near answered: it lacks it
-                copies[keys[i]] = value
+                copies[keys[i]] = value if type(value) is bytes else bytes(value)
             values[i] = value
         count("tier_far_hits", sum(1 for v in far.values if v is not None and v is not NOT_READ))
         return ReadResult(values, {**near.failures, **far.failures},

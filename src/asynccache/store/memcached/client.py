@@ -92,6 +92,7 @@ class MemcachedClient(BaseClient[_MemcachedState]):
 
     scheme = "memcached"
     expiry_slack = 1.0  # exptime is whole seconds on a one-second clock
+    reads_own_buffers = True  # large values are received in place (connection.py)
 
     def __init__(
         self,

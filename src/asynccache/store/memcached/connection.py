@@ -22,7 +22,8 @@ from ..protocol.memcache import (
     not_understood,
     unexpected_reply,
 )
-from ..transport.aio import AsyncConnection, PipelinedProtocol
+from ..transport.aio import AsyncConnection, PipelinedProtocol, ReceivingProtocol
+from ..transport.buffers import value_buffer
 from ..transport.endpoint import Endpoint
 from ..transport.tls import TlsSettings
 
@@ -41,11 +42,14 @@ def memcached_endpoint(host: str, port: int, *, tls: TlsSettings | None = None,
 class _ScreenedParser:
     """The reply parser, with the replies that put the stream out of step raised."""
 
-    __slots__ = ("expect", "feed", "parser", "where")
+    __slots__ = ("buffer", "expect", "feed", "parser", "received", "where")
 
     def __init__(self, max_value: int, where: str) -> None:
-        self.parser = ReplyParser(max_value)
+        #: values of BIG_VALUE bytes or more arrive in memory of their own
+        self.parser = ReplyParser(max_value, alloc=value_buffer)
         self.feed = self.parser.feed
+        self.buffer = self.parser.buffer
+        self.received = self.parser.received
         self.expect = self.parser.expect
         self.where = where
 
@@ -56,7 +60,7 @@ class _ScreenedParser:
         return reply
 
 
-class _MemcachedProtocol(PipelinedProtocol):
+class _MemcachedProtocol(ReceivingProtocol):
     def __init__(self, endpoint: Endpoint, max_value: int) -> None:
         super().__init__(endpoint)
         self.parser = _ScreenedParser(max_value, endpoint.where)

@@ -286,9 +286,18 @@ class ReplyParser:
         self._expected.append(request)
 
     def feed(self, data: bytes | memoryview) -> None:
-        if data:
-            self._chunks.append(bytes(data))
-            self._avail += len(data)
+        """Copy ``data`` in: the bytes of a large value arriving in place go into its own
+        buffer, as `buffer()`/`received()` would have put them."""
+        view = memoryview(data)
+        while self._target is not None and view:
+            room = self.buffer()
+            n = min(len(room), len(view))
+            room[:n] = view[:n]
+            self.received(n)
+            view = view[n:]
+        if view:
+            self._chunks.append(bytes(view))
+            self._avail += len(view)
 
     def buffer(self) -> memoryview:
         """Where a socket receives the next bytes (reused: ``recv(n)`` would allocate

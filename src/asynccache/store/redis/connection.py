@@ -20,7 +20,7 @@ from ..protocol.resp import (
     setup_refused,
     unexpected_reply,
 )
-from ..transport.aio import AsyncConnection, PipelinedProtocol
+from ..transport.aio import AsyncConnection, PipelinedProtocol, StreamProtocol
 from .endpoint import RedisEndpoint
 
 #: One request: the buffers of one command, written back to back (values not copied).
@@ -29,7 +29,7 @@ Request = Sequence[bytes | memoryview]
 __all__ = ["Request", "RespConnection"]
 
 
-class _RespProtocol(PipelinedProtocol):
+class _RespProtocol(StreamProtocol):
     endpoint: RedisEndpoint
 
     def __init__(self, endpoint: RedisEndpoint) -> None:

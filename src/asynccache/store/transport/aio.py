@@ -21,7 +21,8 @@ from typing import Any
 from ...errors import StoreError, StoreUnavailable
 from .endpoint import Endpoint
 
-__all__ = ["AsyncConnection", "PipelinedProtocol", "Sent", "close_transport"]
+__all__ = ["AsyncConnection", "PipelinedProtocol", "ReceivingProtocol", "Sent", "StreamProtocol",
+           "close_transport"]
 
 
 def close_transport(transport: asyncio.BaseTransport) -> None:
@@ -46,9 +47,12 @@ class _Waiter:
         self.replies: list[Any] = []
 
 
-class PipelinedProtocol(asyncio.Protocol):
-    """One connection's stream. A subclass sets `parser` (``feed``, ``gets``:
-    the next reply or False) and says what a parse error means (`unexpected()`)."""
+class PipelinedProtocol(asyncio.BaseProtocol):
+    """One connection's stream, matched to its requests. A subclass sets `parser`
+    (``gets``: the next reply or False) and says what a parse error means
+    (`unexpected()`); how bytes reach the parser is `StreamProtocol`'s or
+    `ReceivingProtocol`'s (an event loop takes a protocol that is an
+    ``asyncio.Protocol`` as one, so the two are apart)."""
 
     parser: Any
 
@@ -70,8 +74,8 @@ class PipelinedProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
-    def data_received(self, data: bytes) -> None:
-        self.parser.feed(data)
+    def deliver(self) -> None:
+        """Hand every complete reply to its waiter, in order."""
         waiters = self.waiters
         gets = self.parser.gets
         try:
@@ -114,6 +118,32 @@ class PipelinedProtocol(asyncio.Protocol):
                 fut.set_exception(error)
         if self.transport is not None:
             close_transport(self.transport)
+
+
+class StreamProtocol(PipelinedProtocol, asyncio.Protocol):
+    """A `PipelinedProtocol` fed the event loop's ``bytes`` (the parser's ``feed``)."""
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed(data)
+        self.deliver()
+
+
+class ReceivingProtocol(PipelinedProtocol, asyncio.BufferedProtocol):
+    """A `PipelinedProtocol` whose parser says where the next bytes go (``buffer()``,
+    then ``received(n)``): the event loop receives straight into it, so a large value
+    arrives in memory of its own instead of in the loop's ``bytes`` (a copy of every
+    byte), and is handed out as that buffer (`BaseClient.reads_own_buffers`)."""
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.parser.buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            self.parser.received(nbytes)
+        except Exception as exc:  # the parser's: bytes that cannot be a reply
+            self.fail(self.unexpected(exc))
+            return
+        self.deliver()
 
 
 @dataclass(slots=True)

@@ -88,7 +88,7 @@ class Endpoint:
             raise self.connect_failure(exc) from exc
         return sock
 
-    async def open_connection(self, protocol: Callable[[], asyncio.Protocol]) -> None:
+    async def open_connection(self, protocol: Callable[[], asyncio.BaseProtocol]) -> None:
         """Connect ``protocol()`` in the running loop, within ``connect_timeout``."""
         loop = asyncio.get_running_loop()
         try:
