@@ -11,6 +11,7 @@ copied out of a reused buffer.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Iterator
 
@@ -203,11 +204,11 @@ def test_one_buffer_at_two_positions_gives_two_values_of_their_own() -> None:
 
 
 def test_chunked_values_are_decoded_in_place_and_stay_right(
-        memcached_server: servers.MemcachedServer, namespace: str) -> None:
+        roomy_memcached: servers.MemcachedServer, namespace: str) -> None:
     """Values over memcached's item size are split into chunks; the joined value is a
     buffer of its own, decoded in place, and a reader's change reaches nothing else."""
     source = [np.full(400_000 + 1000 * i, i, dtype=np.float32) for i in range(6)]  # ~1.6 MB
-    pipe = ac.AsyncKVCacheMapDataPipe(source, ac.connect(memcached_server.url), prefetch=4,
+    pipe = ac.AsyncKVCacheMapDataPipe(source, ac.connect(roomy_memcached.url), prefetch=4,
                                       namespace=namespace)
     try:
         for i in range(len(source)):
@@ -229,18 +230,18 @@ def _chunked_source() -> list[np.ndarray]:
 
 
 def test_chunked_values_are_read_on_the_consumers_own_connection(
-        memcached_server: servers.MemcachedServer, namespace: str) -> None:
+        roomy_memcached: servers.MemcachedServer, namespace: str) -> None:
     """A warm pass over chunked values reads their chunks on the consumer's connection,
     received in place like any large value, not through the core's loop: the server
     sees one connection (the chunks through the loop took a second one, and three
     copies of every byte more)."""
     source = _chunked_source()
-    with ac.AsyncKVCacheMapDataPipe(source, ac.connect(memcached_server.url),
+    with ac.AsyncKVCacheMapDataPipe(source, ac.connect(roomy_memcached.url),
                                     namespace=namespace) as filler:
         filler.__getitems__(list(range(len(source))))
-    with FaultProxy(memcached_server.host, memcached_server.port) as proxy:
+    with FaultProxy(roomy_memcached.host, roomy_memcached.port) as proxy:
         pipe = ac.AsyncKVCacheMapDataPipe(
-            source, ac.connect(url_through(proxy, memcached_server.url)), prefetch=4,
+            source, ac.connect(url_through(proxy, roomy_memcached.url)), prefetch=4,
             namespace=namespace)
         with pipe:
             for i in range(len(source)):
@@ -250,17 +251,17 @@ def test_chunked_values_are_read_on_the_consumers_own_connection(
 
 
 def test_chunked_values_stay_right_when_connections_drop_during_their_reads(
-        memcached_server: servers.MemcachedServer, namespace: str) -> None:
+        roomy_memcached: servers.MemcachedServer, namespace: str) -> None:
     """Every connection is reset while chunk reads are on the wire (read-ahead keeps
     them there): a value whose chunks were lost is read again or computed, never
     wrong, and the pass goes on."""
     source = _chunked_source()
-    with ac.AsyncKVCacheMapDataPipe(source, ac.connect(memcached_server.url),
+    with ac.AsyncKVCacheMapDataPipe(source, ac.connect(roomy_memcached.url),
                                     namespace=namespace) as filler:
         filler.__getitems__(list(range(len(source))))
-    with FaultProxy(memcached_server.host, memcached_server.port) as proxy:
+    with FaultProxy(roomy_memcached.host, roomy_memcached.port) as proxy:
         pipe = ac.AsyncKVCacheMapDataPipe(
-            source, ac.connect(url_through(proxy, memcached_server.url), timeout=5),
+            source, ac.connect(url_through(proxy, roomy_memcached.url), timeout=5),
             prefetch=6, namespace=namespace)
         with pipe:
             for _ in range(2):
@@ -273,12 +274,12 @@ def test_chunked_values_stay_right_when_connections_drop_during_their_reads(
 
 @pytest.mark.anyio
 async def test_async_reads_receive_large_values_in_place_and_readers_own_them(
-        memcached_server: servers.MemcachedServer, namespace: str) -> None:
-    """``get_many`` on the asyncio path (memcached: its connection receives values of
-    64 KiB or more into memory of their own): every value right and writable, a reader's
-    change reaches no other read and not the store; the client's own ``get_many`` still
-    gives ``bytes``."""
-    client = ac.connect(memcached_server.url)
+        reads_url: str, namespace: str) -> None:
+    """``get_many`` on the asyncio path (its reads connection receives values of 64 KiB
+    or more into memory of their own): every value right and writable, a reader's change
+    reaches no other read and not the store; the client's own ``get_many`` still gives
+    ``bytes``."""
+    client = ac.connect(reads_url)
     values = {f"k{i}": np.full(40_000 + 5_000 * i, i, np.float32) for i in range(8)}
     values["small"] = np.arange(10, dtype=np.float32)
     try:
@@ -296,3 +297,35 @@ async def test_async_reads_receive_large_values_in_place_and_readers_own_them(
         assert raw == [b"\x07" * 200_000, b"s"] and all(type(v) is bytes for v in raw)
     finally:
         await client.close()
+
+
+@pytest.mark.anyio
+async def test_the_redis_reads_connection_changes_parser_as_values_grow_and_shrink(
+        redis_server: servers.RedisServer, namespace: str) -> None:
+    """Small values are parsed by hiredis, large ones received in place by the bulk
+    reader: the reads connection is replaced when the values a read gets cross the line
+    (either way), the old one answers what it was sent and closes, and every value read
+    on either side of a change, with reads in flight across it, is right."""
+    small = {f"s{i}": i for i in range(20)}
+    large = {f"l{i}": np.full(100_000, i, dtype=np.float32) for i in range(6)}
+    with FaultProxy(redis_server.host, redis_server.port) as proxy:
+        client = ac.connect(url_through(proxy, redis_server.url))
+        try:
+            async with ac.AsyncKVCache(client, namespace=namespace) as cache:
+                await cache.set_many({**small, **large})
+
+                async def check(keys: list[str]) -> None:
+                    got = await cache.get_many(keys)
+                    for key in keys:
+                        want = small[key] if key in small else large[key]
+                        assert np.array_equal(got[key], want), key
+
+                for phase in (small, large, small, large):
+                    for _ in range(8):  # concurrent reads: some in flight at a change
+                        await asyncio.gather(*(check(list(phase)[i::3]) for i in range(3)))
+                assert cache.stats()["errors"] == 0
+                # reads, writes, and three changes of the reads connection
+                assert proxy.stats["accepted"] == 5
+                assert proxy.connections == 2  # each replaced one closed
+        finally:
+            await client.close()

@@ -81,8 +81,21 @@ def test_an_error_reply_is_a_reply_error() -> None:
     assert isinstance(reply, hiredis.ReplyError) and str(reply).startswith("NOPERM")
 
 
+def test_status_and_integer_replies_are_what_hiredis_gives() -> None:
+    """The replies of the setup commands (``AUTH``, ``SELECT``: ``+OK``) and ``PING`` on
+    a connection that otherwise only sends ``MGET``."""
+    data = b"+OK\r\n+PONG\r\n:42\r\n:-1\r\n" + mget_reply([b"a", None])
+    h = hiredis.Reader()
+    h.feed(data)
+    expected = []
+    while (reply := h.gets()) is not False:
+        expected.append(reply)
+    for cuts in ([], list(range(len(data)))):
+        assert read_all(BulkReader(big=1), data, cuts) == expected
+
+
 @pytest.mark.parametrize("data", [
-    b"+OK\r\n",                      # not an array
+    b"$3\r\nabc\r\n",                # a bulk string outside an array
     b"*1\r\n:5\r\n",                 # an integer element
     b"*1\r\n$3\r\nabcX\n",           # no CRLF after the value
     b"*-1\r\n",                      # a nil array

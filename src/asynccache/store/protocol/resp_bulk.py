@@ -21,7 +21,8 @@ _CRLF = b"\r\n"
 
 
 class ProtocolError(Exception):
-    """The server sent something that is not an ``MGET`` reply."""
+    """The server sent something that is not an ``MGET`` reply (nor a status, an integer
+    or an error)."""
 
 
 class BulkReader:
@@ -98,7 +99,9 @@ class BulkReader:
 
     # -- replies out ----------------------------------------------------------------------
     def gets(self) -> Any:
-        """The next complete reply (a list, or a ``hiredis.ReplyError``), else False."""
+        """The next complete reply, else False: a list (an ``MGET``'s), a
+        ``hiredis.ReplyError``, or as hiredis gives them a status (``bytes``: the
+        ``+OK`` of ``AUTH``/``SELECT``, ``+PONG``) or an integer."""
         if self._items is None:
             line = self._line()
             if line is None:
@@ -106,6 +109,10 @@ class BulkReader:
             kind = line[:1]
             if kind == b"-":
                 return hiredis.ReplyError(bytes(line[1:]).decode("utf-8", "replace"))
+            if kind == b"+":
+                return bytes(line[1:])
+            if kind == b":":
+                return self._number(line)
             if kind != b"*":
                 raise ProtocolError(f"expected an array reply, got {bytes(line[:40])!r}")
             count = self._number(line)

@@ -4,7 +4,9 @@ Every command goes through `RespConnection` (hiredis parsing, one timer per exch
 pipelined): redis-py's per-command cost (80–170 µs of CPU per call measured here) is most of
 a cached read's cost, and the handful of commands a cache needs (``MGET``, ``SET [PX]``,
 ``DEL``, ``PING``) are simple. Two connections per event loop: reads never queue behind a
-large write.
+large write. The reads connection (`MgetConnection`: ``MGET`` and ``PING`` only) receives
+large values in place once the values it reads are large; everything else (the command
+line's ``INFO``, ``SCAN``, ``EXISTS``, ``STRLEN`` included) goes on the writes connection.
 
 Writes are one pipelined ``SET`` per key, so the server answers each key: a key it
 refuses (out of memory with a noeviction policy, over ``proto-max-bulk-len``) fails
@@ -41,7 +43,7 @@ from ..protocol.resp import (
 )
 from ..transport.tls import TlsSettings
 from .admin import node_info, pack_exists, pack_strlen, scan_node, size_of
-from .connection import RespConnection
+from .connection import MgetConnection, RespConnection
 from .endpoint import RedisEndpoint
 from .reads import BlockingRespConnection
 
@@ -50,14 +52,15 @@ __all__ = ["RedisClient"]
 
 @dataclass
 class _RedisState:
-    reads: RespConnection
-    writes: RespConnection
+    reads: MgetConnection  # MGET and PING only (its parser may be the bulk reader)
+    writes: RespConnection  # everything else
 
 
 class RedisClient(BaseClient[_RedisState]):
     """Client for one Redis-protocol server (Redis, Valkey, KeyDB, Dragonfly...)."""
 
     scheme = "redis"
+    reads_own_buffers = True  # large values are received in place (`MgetConnection`)
 
     def __init__(
         self,
@@ -128,7 +131,7 @@ class RedisClient(BaseClient[_RedisState]):
 
     def _open_state(self) -> _RedisState:
         endpoint = self.endpoint()
-        return _RedisState(RespConnection(endpoint), RespConnection(endpoint))
+        return _RedisState(MgetConnection(endpoint), RespConnection(endpoint))
 
     async def _close_state(self, state: _RedisState) -> None:
         state.reads.close()
@@ -199,20 +202,20 @@ class RedisClient(BaseClient[_RedisState]):
     # -- administration -------------------------------------------------------------------
     async def server_info(self) -> dict[str, Any]:
         node = self.node_names[0]
-        info = await node_info(self._state().reads, node)
+        info = await node_info(self._state().writes, node)
         return {"max_value_size": self.max_value_size, "nodes": {node: info}}
 
     async def scan(self, prefix: bytes, batch: int = 1000
                    ) -> AsyncIterator[list[tuple[bytes, int | None]]]:
         """``SCAN MATCH`` over this database, with ``STRLEN`` sizes (pipelined)."""
-        async for page in scan_node(self._state().reads, prefix, batch, self.safe_url):
+        async for page in scan_node(self._state().writes, prefix, batch, self.safe_url):
             yield page
 
     async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         """One pipelined ``EXISTS`` per key: no value crosses the network."""
         if not keys:
             return []
-        replies = await self._state().reads.execute([[pack_exists(k)] for k in keys])
+        replies = await self._state().writes.execute([[pack_exists(k)] for k in keys])
         for reply in replies:
             if is_error(reply):
                 raise StoreError(f"redis {self.safe_url} answered EXISTS with {reply}")
@@ -222,5 +225,5 @@ class RedisClient(BaseClient[_RedisState]):
         """One pipelined ``STRLEN`` per key: sizes, no value crosses the network."""
         if not keys:
             return []
-        replies = await self._state().reads.execute([[pack_strlen(k)] for k in keys])
+        replies = await self._state().writes.execute([[pack_strlen(k)] for k in keys])
         return [size_of(reply, self.safe_url) for reply in replies]

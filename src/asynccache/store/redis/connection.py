@@ -1,4 +1,5 @@
-"""Redis on the asyncio transport: a lean, pipelined RESP connection, parsed by hiredis.
+"""Redis on the asyncio transport: a lean, pipelined RESP connection, parsed by hiredis
+(or, for large values on the reads connection, by `BulkReader`: `MgetConnection`).
 
 Why not redis-py here: one ``MGET`` through ``redis.asyncio`` costs 80–170 µs of CPU
 whatever its size (measured; docs/design.md, "Connections"), and read-ahead issues thousands
@@ -20,13 +21,25 @@ from ..protocol.resp import (
     setup_refused,
     unexpected_reply,
 )
-from ..transport.aio import AsyncConnection, PipelinedProtocol, StreamProtocol
+from ..protocol.resp_bulk import BIG_VALUE, BulkReader
+from ..transport.aio import (
+    AsyncConnection,
+    PipelinedProtocol,
+    ReceivingProtocol,
+    StreamProtocol,
+    close_transport,
+)
+from ..transport.buffers import value_buffer
 from .endpoint import RedisEndpoint
 
 #: One request: the buffers of one command, written back to back (values not copied).
 Request = Sequence[bytes | memoryview]
+#: the largest value a reply may claim (Redis' own proto-max-bulk-len default)
+MAX_VALUE = 512 << 20
+#: weight of the newest reply in `MgetConnection`'s value-size estimate
+ALPHA = 0.5
 
-__all__ = ["Request", "RespConnection"]
+__all__ = ["MgetConnection", "Request", "RespConnection"]
 
 
 class _RespProtocol(StreamProtocol):
@@ -38,6 +51,20 @@ class _RespProtocol(StreamProtocol):
 
     def unexpected(self, exc: Exception) -> Any:
         # a memcached server at this port: say which URL to use
+        return unexpected_reply(self.endpoint.where, exc, self.endpoint.address)
+
+
+class _BulkRespProtocol(ReceivingProtocol):
+    """``MGET`` replies parsed by `BulkReader`: each large value received into memory of
+    its own (status, integer and error replies too: ``AUTH``, ``SELECT``, ``PING``)."""
+
+    endpoint: RedisEndpoint
+
+    def __init__(self, endpoint: RedisEndpoint) -> None:
+        super().__init__(endpoint)
+        self.parser = BulkReader(max_value=MAX_VALUE, alloc=value_buffer)
+
+    def unexpected(self, exc: Exception) -> Any:
         return unexpected_reply(self.endpoint.where, exc, self.endpoint.address)
 
 
@@ -72,3 +99,42 @@ class RespConnection(AsyncConnection):
         for chunk, reply in zip(chunks, replies):
             out.extend(check_mget_reply(reply, where, len(chunk)))
         return out
+
+
+class MgetConnection(RespConnection):
+    """The reads connection: ``MGET`` and ``PING`` only, so that its replies can be parsed
+    by either parser. Replies of small values are parsed by hiredis; once the values it
+    reads are large (an estimate of the replies' first values past ``BIG_VALUE``), the
+    connection is replaced by one whose `BulkReader` receives each large value in place
+    (the values then leave it as buffers: `RedisClient.reads_own_buffers`), and back
+    below a quarter of that. The old connection answers what it was sent and closes: the
+    change costs one connection setup, about once per connection's life."""
+
+    def __init__(self, endpoint: RedisEndpoint) -> None:
+        super().__init__(endpoint)
+        self.value_bytes = 0.0  # the estimate
+        self._retired: PipelinedProtocol | None = None  # replaced, its replies still due
+
+    def _protocol(self) -> PipelinedProtocol:
+        if self.value_bytes >= BIG_VALUE:
+            return _BulkRespProtocol(self.endpoint)
+        return _RespProtocol(self.endpoint)
+
+    async def mget(self, chunks: Sequence[Sequence[bytes]]) -> list[bytes | None]:
+        values = await super().mget(chunks)
+        if values and (first := values[0]) is not None:  # one look per read: cheap
+            self.value_bytes += ALPHA * (len(first) - self.value_bytes)
+        proto = self._proto
+        if proto is not None:
+            big = isinstance(proto, _BulkRespProtocol)
+            if big != (self.value_bytes >= (BIG_VALUE // 4 if big else BIG_VALUE)):
+                self._proto = None  # the next request opens one with the other parser
+                proto.retire()
+                self._retired = proto
+        return values
+
+    def close(self) -> None:
+        if self._retired is not None and self._retired.transport is not None:
+            close_transport(self._retired.transport)
+        self._retired = None
+        super().close()

@@ -62,6 +62,7 @@ class PipelinedProtocol(asyncio.BaseProtocol):
         self.transport: asyncio.Transport | None = None
         self.failure: StoreError | None = None
         self.replies = 0  # replies received so far on this connection
+        self.retired = False  # closed once its last reply is in (`retire()`)
 
     def unexpected(self, exc: Exception) -> StoreError:
         """What bytes that are not a reply to the oldest request mean."""
@@ -97,10 +98,18 @@ class PipelinedProtocol(asyncio.BaseProtocol):
                     fut.set_result(got)
             if gets() is not False:
                 raise ValueError("a reply nobody asked for")
+            if self.retired and self.transport is not None:
+                close_transport(self.transport)
         except StoreError as exc:  # what the protocol says a reply means for the stream
             self.fail(exc)
         except Exception as exc:  # the parser's: the stream is not what was asked for
             self.fail(self.unexpected(exc))
+
+    def retire(self) -> None:
+        """No request will be sent here any more: close once every reply is in."""
+        self.retired = True
+        if not self.waiters and self.transport is not None:
+            close_transport(self.transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         reason = f": {exc}" if exc else ""
