@@ -181,6 +181,42 @@ def test_decode_of_non_bytes_raises_decode_error() -> None:
         DEFAULT_CODEC.decode("\xacC not bytes", KEY)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("codec", [Codec(), Codec(secret=b"s" * 32), Codec(compression="zstd"),
+                                   Codec(protocol=4), Codec(checksum=False)],
+                         ids=["default", "signed", "zstd", "protocol-4", "no-checksum"])
+@pytest.mark.parametrize("size", [pickling.BIG_BYTES - 1, pickling.BIG_BYTES, 3 << 20])
+def test_large_bytes_round_trip_and_are_plain_pickle(codec: Codec, size: int) -> None:
+    """``bytes`` of BIG_BYTES or more are pickled without copying them into a stream
+    first (`bytes_stream`): the same value back, as ``bytes``, from a payload that is an
+    ordinary pickle stream (what every release unpickles)."""
+    value = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    got = codec.decode(codec.encode(value, KEY), KEY)
+    assert got == value and type(got) is bytes
+    stream = b"".join(pickling.bytes_stream(value, 5))
+    assert pickle.loads(stream) == value
+    assert pickletools_ops(stream) == ["PROTO", "BINBYTES8", "STOP"]
+
+
+def pickletools_ops(stream: bytes) -> list[str]:
+    import pickletools
+
+    return [op.name for op, _arg, _pos in pickletools.genops(stream)]
+
+
+def test_encoding_large_bytes_holds_one_copy_of_them() -> None:
+    """The encoded blob is the one copy: peak memory while encoding 16 MiB of ``bytes``
+    stays near 16 MiB (``pickle.dumps`` and then the join held two)."""
+    value = b"\x01" * (16 << 20)
+    tracemalloc.start()
+    try:
+        blob = Codec().encode(value, KEY)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(blob) > len(value)
+    assert peak < 1.25 * len(value), peak
+
+
 # --------------------------------------------------------------------------- numpy
 
 

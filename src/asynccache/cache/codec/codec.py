@@ -72,7 +72,16 @@ from .manifest import (
     join_chunks,
     split_chunks,
 )
-from .pickling import ATOMIC, dumps_special, encode_error, oob_parts, split_oob, unpickle_error
+from .pickling import (
+    ATOMIC,
+    BIG_BYTES,
+    bytes_stream,
+    dumps_special,
+    encode_error,
+    oob_parts,
+    split_oob,
+    unpickle_error,
+)
 
 __all__ = [
     "DEFAULT_CODEC",
@@ -399,6 +408,9 @@ class Codec:
             if not raws:
                 return self._finish(key, F_PLAIN, [stream], len(stream))
             return self._finish(key, F_PLAIN | F_OOB, *oob_parts(stream, raws))
+        if type(obj) is bytes and len(obj) >= BIG_BYTES and self.protocol >= 4:
+            parts = bytes_stream(obj, self.protocol)  # one copy (the join), not two
+            return self._finish(key, 0, parts, len(obj) + len(parts[0]) + 1)
         try:
             stream, bufs = self._pickle(obj)
             if not bufs:  # fast path: header + pickle stream

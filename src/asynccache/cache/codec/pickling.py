@@ -21,6 +21,18 @@ ZEROS = bytes(ALIGN)
 # Exact types that never produce out-of-band buffers nor need the tensor reducer.
 ATOMIC = frozenset({type(None), bool, int, float, complex, str, bytes, bytearray})
 
+#: ``bytes`` values of at least this size are pickled by `bytes_stream` (no copy)
+BIG_BYTES = 64 << 10
+
+
+def bytes_stream(data: bytes, protocol: int) -> list[bytes]:
+    """The pickle stream of a ``bytes`` value as parts, the value itself one of them:
+    ``pickle.dumps`` would copy it into its stream, and the codec then copies the stream
+    once more when it joins header and payload. ``PROTO``, ``BINBYTES8`` (protocol 4+),
+    the bytes, ``STOP``: a stream every unpickler of protocol 4 or later reads as
+    ``data`` (no frame: framing is optional)."""
+    return [b"\x80%c\x8e%b" % (protocol, struct.pack("<Q", len(data))), data, b"."]
+
 
 def rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...]) -> Any:
     """Unpickle side of `reduce_tensor()`: a tensor sharing (not copying) ``buf``."""
