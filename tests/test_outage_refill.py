@@ -238,3 +238,28 @@ def test_reads_answered_from_the_record_are_counted_as_recalled_not_misses(
     assert stats["recalled"] == 3 * N and stats["hits"] == 0, stats
     assert stats["hits"] + stats["misses"] + stats["recalled"] == reads
     assert stats["unstored_values"] > 0 and stats["kept_bytes"] > 0, stats
+
+
+def test_a_closed_pipe_opens_no_connection_when_its_store_comes_back(
+        redis_server: servers.RedisServer, namespace: str) -> None:
+    """A pipe closed while it keeps values the store lacks (the store refused its
+    connections) is done with the store: when the store comes back, neither the writer's
+    probe nor anything else opens a connection for it again (such a connection was
+    nobody's to close: on a cluster, redis-py's ``Unclosed RedisCluster`` warnings)."""
+    from asynccache.testing.proxy import FaultProxy, url_through
+
+    with FaultProxy(redis_server.host, redis_server.port) as proxy:
+        client = ac.connect(url_through(proxy, redis_server.url), timeout=0.5,
+                            connect_timeout=0.5)
+        dp = ac.AsyncKVCacheMapDataPipe(Source(), client, prefetch=4, namespace=namespace)
+        proxy.set_refuse(True)
+        try:
+            read_all(dp, range(20))
+            wait_for(lambda: dp.stats()["unstored_values"] > 0)
+        finally:
+            dp.close(timeout=1)
+        proxy.set_refuse(False)
+        accepted = proxy.stats["accepted"]
+        time.sleep(4 * 0.5 + 1.0)  # past the writer's probe of the first back-offs
+        assert proxy.stats["accepted"] == accepted
+        assert proxy.connections == 0

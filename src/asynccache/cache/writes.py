@@ -485,6 +485,8 @@ class Writer:
         because the store lacks them, in the background (any thread: the policy calls it
         from whichever thread saw the answer)."""
         cache = self.cache
+        if cache._closed:  # done with the store: a write now would reopen its connections
+            return
         self.recovering = cache.writes.unstored_values
         if not self.recovering:
             return

@@ -405,6 +405,7 @@ class ProcessRuntime:
         if close:
             for reader in readers:
                 await reader.cancel_pending()
-        await self.cache.flush()
-        if close:
-            await self.cache.client.release()
+        if close:  # closed too: nothing of the cache asks the store again (probes, refills)
+            await self.cache.aclose()
+        else:
+            await self.cache.flush()
