@@ -229,16 +229,23 @@ def _chunked_source() -> list[np.ndarray]:
     return [np.full(300_000 + 1000 * i, i, dtype=np.float32) for i in range(12)]
 
 
+def _chunked_source_stored(server: servers.MemcachedServer, namespace: str
+                           ) -> list[np.ndarray]:
+    """`_chunked_source()`, written into ``server`` under ``namespace`` (chunked)."""
+    source = _chunked_source()
+    with ac.AsyncKVCacheMapDataPipe(source, ac.connect(server.url),
+                                    namespace=namespace) as filler:
+        filler.__getitems__(list(range(len(source))))
+    return source
+
+
 def test_chunked_values_are_read_on_the_consumers_own_connection(
         roomy_memcached: servers.MemcachedServer, namespace: str) -> None:
     """A warm pass over chunked values reads their chunks on the consumer's connection,
     received in place like any large value, not through the core's loop: the server
     sees one connection (the chunks through the loop took a second one, and three
     copies of every byte more)."""
-    source = _chunked_source()
-    with ac.AsyncKVCacheMapDataPipe(source, ac.connect(roomy_memcached.url),
-                                    namespace=namespace) as filler:
-        filler.__getitems__(list(range(len(source))))
+    source = _chunked_source_stored(roomy_memcached, namespace)
     with FaultProxy(roomy_memcached.host, roomy_memcached.port) as proxy:
         pipe = ac.AsyncKVCacheMapDataPipe(
             source, ac.connect(url_through(proxy, roomy_memcached.url)), prefetch=4,
@@ -255,10 +262,7 @@ def test_chunked_values_stay_right_when_connections_drop_during_their_reads(
     """Every connection is reset while chunk reads are on the wire (read-ahead keeps
     them there): a value whose chunks were lost is read again or computed, never
     wrong, and the pass goes on."""
-    source = _chunked_source()
-    with ac.AsyncKVCacheMapDataPipe(source, ac.connect(roomy_memcached.url),
-                                    namespace=namespace) as filler:
-        filler.__getitems__(list(range(len(source))))
+    source = _chunked_source_stored(roomy_memcached, namespace)
     with FaultProxy(roomy_memcached.host, roomy_memcached.port) as proxy:
         pipe = ac.AsyncKVCacheMapDataPipe(
             source, ac.connect(url_through(proxy, roomy_memcached.url), timeout=5),
