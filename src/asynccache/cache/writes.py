@@ -540,8 +540,7 @@ class Writer:
     def probe(self) -> None:
         """The back-off ended: write the record's values again (loop)."""
         self._probe = None
-        if not self.cache._closed:
-            self.recover()
+        self.recover()  # (nothing for a closed cache)
 
     def _rewrite_next(self, max_keys: int) -> bool:
         """Queue the next batch of kept values the store lacks, while recovering and no

@@ -5,19 +5,41 @@ Why it is built this way: docs/design.md, "Large values in place".
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import hiredis
 
-__all__ = ["BIG_VALUE", "MAX_LINE", "BulkReader", "ProtocolError"]
+__all__ = ["BIG_VALUE", "MAX_LINE", "MAX_VALUE", "BulkReader", "ProtocolError", "ValueSizes"]
 
 #: values of at least this many bytes are received into their own buffer
 BIG_VALUE = 64 << 10
+#: the largest value a reply may claim (Redis' own proto-max-bulk-len default)
+MAX_VALUE = 512 << 20
 #: longest header line accepted (``$`` + a 20-digit length + CRLF fits many times over)
 MAX_LINE = 512
 _BUFFER = 256 << 10
 _CRLF = b"\r\n"
+
+
+class ValueSizes:
+    """Which parser a connection's ``MGET`` replies want: an estimate of the replies'
+    first values (the newest weighs half; one look per reply), large from ``BIG_VALUE``
+    on and small again only below a quarter of it, so that values near the line do not
+    switch parsers back and forth."""
+
+    __slots__ = ("estimate",)
+
+    def __init__(self) -> None:
+        self.estimate = 0.0
+
+    def observe(self, values: Sequence[Any]) -> None:
+        if values and (first := values[0]) is not None:
+            self.estimate += 0.5 * (len(first) - self.estimate)
+
+    def big(self, now: bool) -> bool:
+        """Whether `BulkReader` should read the replies, given whether it ``now`` does."""
+        return self.estimate >= (BIG_VALUE // 4 if now else BIG_VALUE)
 
 
 class ProtocolError(Exception):

@@ -21,7 +21,7 @@ from ..protocol.resp import (
     setup_refused,
     unexpected_reply,
 )
-from ..protocol.resp_bulk import BIG_VALUE, BulkReader
+from ..protocol.resp_bulk import MAX_VALUE, BulkReader, ValueSizes
 from ..transport.aio import (
     AsyncConnection,
     PipelinedProtocol,
@@ -34,10 +34,6 @@ from .endpoint import RedisEndpoint
 
 #: One request: the buffers of one command, written back to back (values not copied).
 Request = Sequence[bytes | memoryview]
-#: the largest value a reply may claim (Redis' own proto-max-bulk-len default)
-MAX_VALUE = 512 << 20
-#: weight of the newest reply in `MgetConnection`'s value-size estimate
-ALPHA = 0.5
 
 __all__ = ["MgetConnection", "Request", "RespConnection"]
 
@@ -112,22 +108,21 @@ class MgetConnection(RespConnection):
 
     def __init__(self, endpoint: RedisEndpoint) -> None:
         super().__init__(endpoint)
-        self.value_bytes = 0.0  # the estimate
+        self.sizes = ValueSizes()
         self._retired: PipelinedProtocol | None = None  # replaced, its replies still due
 
     def _protocol(self) -> PipelinedProtocol:
-        if self.value_bytes >= BIG_VALUE:
+        if self.sizes.big(False):
             return _BulkRespProtocol(self.endpoint)
         return _RespProtocol(self.endpoint)
 
     async def mget(self, chunks: Sequence[Sequence[bytes]]) -> list[bytes | None]:
         values = await super().mget(chunks)
-        if values and (first := values[0]) is not None:  # one look per read: cheap
-            self.value_bytes += ALPHA * (len(first) - self.value_bytes)
+        self.sizes.observe(values)
         proto = self._proto
         if proto is not None:
             big = isinstance(proto, _BulkRespProtocol)
-            if big != (self.value_bytes >= (BIG_VALUE // 4 if big else BIG_VALUE)):
+            if big != self.sizes.big(big):
                 self._proto = None  # the next request opens one with the other parser
                 proto.retire()
                 self._retired = proto

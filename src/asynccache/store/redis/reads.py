@@ -16,17 +16,13 @@ from ..._interrupts import raised_in_signal_handler
 from ...errors import StoreError, StoreUnavailable
 from ..api import NodeName
 from ..protocol.resp import RespParser, check_mget_reply, pack_mget, setup_refused, unexpected_reply
-from ..protocol.resp_bulk import BIG_VALUE, BulkReader
+from ..protocol.resp_bulk import MAX_VALUE, BulkReader, ValueSizes
 from ..transport.blocking import BlockingConnection, Closed, Request
 from ..transport.buffers import value_buffer
 from .endpoint import RedisEndpoint
 
 __all__ = ["BlockingRespConnection"]
 
-#: the largest value a reply may claim (Redis' own proto-max-bulk-len default)
-_MAX_VALUE = 512 << 20
-#: weight of the newest reply in the value-size estimate that picks the parser
-_ALPHA = 0.5
 
 
 class BlockingRespConnection(BlockingConnection):
@@ -41,11 +37,11 @@ class BlockingRespConnection(BlockingConnection):
         #: large values (an estimate of the replies' first values >= BIG_VALUE) are read
         #: by a BulkReader, each into its own buffer; small ones by hiredis
         self.big = False
-        self.value_bytes = 0.0
+        self.sizes = ValueSizes()
 
     def _request(self, keys: Sequence[bytes]) -> Request:
         packed = pack_mget(keys)
-        if self.big != (self.value_bytes >= (BIG_VALUE // 4 if self.big else BIG_VALUE)):
+        if self.big != self.sizes.big(self.big):
             self._switch_parser()
         return Request(packed, len(keys))
 
@@ -69,7 +65,7 @@ class BlockingRespConnection(BlockingConnection):
             self.parser = self._mget_parser()
 
     def _mget_parser(self) -> Any:
-        return (BulkReader(max_value=_MAX_VALUE, alloc=value_buffer) if self.big
+        return (BulkReader(max_value=MAX_VALUE, alloc=value_buffer) if self.big
                 else RespParser())
 
     def _switch_parser(self) -> None:
@@ -100,6 +96,5 @@ class BlockingRespConnection(BlockingConnection):
         count = self.pending[0].count
         super()._accept(reply)
         values = check_mget_reply(reply, self.endpoint.where, count)
-        if values and (first := values[0]) is not None:  # one look per reply: cheap
-            self.value_bytes += _ALPHA * (len(first) - self.value_bytes)
+        self.sizes.observe(values)
         return values
