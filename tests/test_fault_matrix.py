@@ -595,7 +595,11 @@ def test_a_full_store_costs_misses_not_errors_of_the_training(backend: str, poli
     n = 400  # 25 MiB of values for a store that holds a few MiB
     source = Source(n, FULL_BYTES, compute=0)
     try:
-        with ac.AsyncKVCacheMapDataPipe(source, d.connect(), namespace=namespace) as pipe:
+        # a full store is not a slow one: the timeout is not what this guards, and the
+        # matrix's 0.25 s, under a busy CI, let the first writes time out (so the first
+        # values were not the ones a noeviction store kept: a CI flake)
+        client = ac.connect(d.url, timeout=5, connect_timeout=5)
+        with ac.AsyncKVCacheMapDataPipe(source, client, namespace=namespace) as pipe:
             for _epoch in range(2):
                 for start in range(0, n, 16):
                     batch = list(range(start, min(n, start + 16)))
