@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import asynccache as ac
-from asynccache.cache.writes import WriteQueue
+from asynccache.cache.write_queue import WriteQueue
 from asynccache.testing.proxy import FaultProxy, url_through
 
 N = 12_000  # over the write-behind queue's 10,000 values: the oldest are dropped

@@ -10,7 +10,7 @@ import pytest
 
 import asynccache as ac
 from asynccache.cache.expiry import check_ttl
-from asynccache.cache.writes import WriteQueue
+from asynccache.cache.write_queue import WriteQueue
 
 
 @pytest.mark.parametrize(("ttl", "seconds"), [

@@ -10,36 +10,36 @@ loop.
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import inspect
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 from ..errors import CacheError, ClosedError, ConfigError, StoreError
 from ..observe.histogram import Histograms, Latency
 from ..observe.stats import Counters, with_hit_rate
 from ..store.api import BaseClient, NodeName
-from .coalesce import Coalescer, Computed, Shared
+from . import decorator
+from .coalesce import Computed, Shared
 from .codec import DEFAULT_CODEC, Codec
 from .expiry import check_ttl
 from .health import FailurePolicy, OnError
 from .keys import DEFAULT_MAX_KEY_SIZE, Keyspace
 from .l1 import L1Cache
 from .leases import Leases
+from .loops import Loops
 from .markers import MISSING, Failed
+from .parts import CacheParts
 from .reads import IMMUTABLE, ReadPath
-from .writes import WriteQueue, Writer
+from .write_queue import WriteQueue
+from .writes import Writer
 
 __all__ = ["AsyncKVCache", "Key", "OnError", "check_settings"]
 
 Key = Any  # int-like, str, bytes or tuples of them: see asynccache.cache.keys
 #: ``condition(result) -> bool``: whether a computed result is stored
-Condition = Callable[[Any], bool]
-#: Finished computations kept for reads in flight (see `_PerLoop.finished`): past this many
-#: distinct keys finishing during one read, the oldest may be computed again.
-FINISHED_MAX = 4096
+Condition = decorator.Condition
 
 
 def check_settings(client: Any, on_error: Any, lease: Any, l1_bytes: Any) -> None:
@@ -122,7 +122,6 @@ class AsyncKVCache:
         self.chunking = chunking
         self.lease = check_ttl(lease, "lease")
         self.max_pending_writes = max_pending_writes
-        self._max_in_flight = max_in_flight
         self.counters = Counters()
         #: durations of store requests (one record per request, never per item)
         self.histograms = Histograms()
@@ -131,30 +130,26 @@ class AsyncKVCache:
         self.l1 = L1Cache(l1_bytes) if l1_bytes else None
         #: values written behind and not yet acknowledged (read-your-writes asks it)
         self.writes = WriteQueue(max_pending_writes, ttl=self.ttl)
-        self.reads = ReadPath(self)
-        self.writer = Writer(self)
-        self.leases = Leases(self)
-        self._loop_state: _PerLoop | None = None
-        self._closed = False
+        #: the state held in the running loop; ``get()`` calls gather into `read()`
+        self.loops = Loops(max_in_flight, self.read_store_keys, self._copy_of, self.counters,
+                           self._refuse)
+        #: what the mechanisms below (and a pipe's consumer threads) take
+        self.parts = CacheParts(
+            client=client, keyspace=self.keyspace, codec=self.codec, ttl=self.ttl,
+            lease=self.lease, chunking=chunking, counters=self.counters,
+            histograms=self.histograms, policy=self.policy, l1=self.l1, writes=self.writes,
+            loops=self.loops)
+        self.reads = ReadPath(self.parts)
+        self.writer = Writer(self.parts)
+        self.leases = Leases(self.parts, self.reads)
 
     # -- the loop, and the end ------------------------------------------------------------
-    def _loop(self) -> _PerLoop:
-        """What this cache holds in the running loop (made anew in another loop)."""
-        if self._closed:
-            self._refuse()
-        loop = asyncio.get_running_loop()
-        here = self._loop_state
-        if here is None or here.loop is not loop:
-            here = self._loop_state = _PerLoop(self, loop)
-        return here
-
-    def _refuse(self) -> None:
+    def _refuse(self) -> NoReturn:
         raise ClosedError(f"{self!r} was used after aclose(): build a new AsyncKVCache (its "
                           "stats() still gives this one's final counters)")
 
     async def __aenter__(self) -> AsyncKVCache:
-        if self._closed:
-            self._refuse()
+        self.loops.check_open()
         self.client.retain()
         return self
 
@@ -166,10 +161,10 @@ class AsyncKVCache:
         close when no other cache or pipe still uses them. The cache is then closed: using
         it raises `ClosedError` (``stats()`` still answers);
         closing twice does nothing."""
-        if self._closed:
+        if self.loops.closed:
             return
         await self.flush()
-        self._closed = True
+        self.loops.closed = True
         await self.client.release()
 
     # -- keys -----------------------------------------------------------------------------
@@ -177,21 +172,24 @@ class AsyncKVCache:
         """The store key for ``key`` (see `asynccache.cache.keys` for the scheme)."""
         return self.keyspace.key(key)
 
-    def _ttl(self, ttl: Any) -> float | None:
+    def resolve_ttl(self, ttl: Any) -> float | None:
         """A call's ``ttl`` (``MISSING``: the cache's), checked by the one TTL rule."""
         return self.ttl if ttl is MISSING else self.keyspace.ttl(check_ttl(ttl))
 
     # -- reads ------------------------------------------------------------------------------
-    async def _read(self, store_keys: Sequence[bytes]) -> list[Any]:
+    async def read_store_keys(self, store_keys: Sequence[bytes]) -> list[Any]:
         """What callers get for ``store_keys``: values, ``MISSING``, `Failed`."""
         return self.reads.outcomes(*await self.reads.values(store_keys))
+
+    def _copy_of(self, store_key: bytes, value: Any) -> Any:
+        return self.reads.copy_of(store_key, value)
 
     async def get_many(self, keys: Iterable[Key]) -> dict[Key, Any]:
         """``{key: value}`` for the keys found; misses are simply absent."""
         keys = list(dict.fromkeys(keys))
         if not keys:
             return {}
-        values = await self._read([self.key(k) for k in keys])
+        values = await self.read_store_keys([self.key(k) for k in keys])
         for value in values:
             if type(value) is Failed:
                 raise value.error
@@ -200,7 +198,7 @@ class AsyncKVCache:
     async def get(self, key: Key, default: Any = None) -> Any:
         """One value, or ``default``. Concurrent calls in one loop tick share one request."""
         store_key = self.key(key)
-        value = await self._loop().gets.get(store_key)
+        value = await self.loops.here().gets.get(store_key)
         return default if value is MISSING else value
 
     # -- writes -----------------------------------------------------------------------------
@@ -213,7 +211,7 @@ class AsyncKVCache:
             ttl: seconds or a ``datetime.timedelta``, ``None`` for no expiry; default
                 the cache's.
         """
-        ttl = self._ttl(ttl)
+        ttl = self.resolve_ttl(ttl)
         entries = self.writer.encode_entries({self.key(k): v for k, v in mapping.items()})
         await self.write_entries(entries, ttl)
 
@@ -225,19 +223,17 @@ class AsyncKVCache:
     async def write_entries(self, entries: Mapping[bytes, bytes],
                             ttl: float | timedelta | type[MISSING] | None = MISSING) -> bool:
         """Write encoded entries now (see `Writer.write_entries()`)."""
-        if self._closed:
-            self._refuse()
-        return await self.writer.write_entries(entries, self._ttl(ttl))
+        self.loops.check_open()
+        return await self.writer.write_entries(entries, self.resolve_ttl(ttl))
 
     async def flush(self) -> None:
         """Wait for queued write-behind entries to reach the store (or be dropped)."""
-        if not self._closed:  # aclose() flushed them
+        if not self.loops.closed:  # aclose() flushed them
             await self.writer.flush()
 
     async def delete_many(self, keys: Iterable[Key]) -> None:
         """Remove ``keys`` from the store; missing keys are ignored."""
-        if self._closed:
-            self._refuse()
+        self.loops.check_open()
         await self.invalidate_store_keys([self.key(k) for k in keys])
 
     async def delete(self, key: Key) -> None:
@@ -257,7 +253,7 @@ class AsyncKVCache:
             compute: called with no arguments on a miss; sync or async.
             ttl: as for `set_many()`.
         """
-        return await self.compute_once(self.key(key), compute, self._ttl(ttl))
+        return await self.compute_once(self.key(key), compute, self.resolve_ttl(ttl))
 
     async def compute_once(self, store_key: bytes, compute: Callable[[], Any],
                            ttl: float | None, condition: Condition | None = None) -> Any:
@@ -267,9 +263,9 @@ class AsyncKVCache:
         A computation in flight is joined without a read. A read that misses while a
         computation of the key finished meanwhile (its request left before that
         computation's write was acknowledged, so the store could not have had it) takes that
-        computation's value instead of computing again: `_PerLoop.finished` keeps it
+        computation's value instead of computing again: `LoopState.finished` keeps it
         reachable for exactly such reads."""
-        here = self._loop()
+        here = self.loops.here()
         shared = here.computing.get(store_key)
         if shared is None:
             mark = here.finishes
@@ -320,7 +316,7 @@ class AsyncKVCache:
             # cancelled (or an interrupt): not awaited here, so the cancellation is not
             # delayed by a round trip; the release runs as a task of its own
             if self.lease is not None:
-                self._loop().spawn(self.leases.release([store_key]))
+                self.loops.here().spawn(self.leases.release([store_key]))
             raise
         if self.lease is not None:
             await self.leases.release([store_key])
@@ -340,8 +336,7 @@ class AsyncKVCache:
         """Delete ``store_keys`` everywhere this cache keeps them: the store (both tiers of
         a `Tiered` client), the L1 tier, this process's read-your-writes record and the
         values of computations just finished (so no read can get them back)."""
-        if self._closed:
-            self._refuse()
+        self.loops.check_open()
         self.forget(store_keys)
         try:
             await self.client.delete_many(list(store_keys))
@@ -356,7 +351,7 @@ class AsyncKVCache:
         if self.l1 is not None:
             self.l1.discard(store_keys)
         self.writes.discard(store_keys)
-        here = self._loop_state
+        here = self.loops.last
         if here is not None:
             for store_key in store_keys:
                 here.finished.pop(store_key, None)
@@ -385,11 +380,9 @@ class AsyncKVCache:
             condition: ``condition(result) -> bool``: whether a result is stored (it is
                 returned either way).
         """
-        from .decorator import cached
-
         if fn is None:
-            return lambda f: cached(self, f, ttl, key, noself, condition)
-        return cached(self, fn, ttl, key, noself, condition)
+            return lambda f: decorator.cached(self, f, ttl, key, noself, condition)
+        return decorator.cached(self, fn, ttl, key, noself, condition)
 
     def cached_many(self, fn: Callable[..., Any] | None = None, *,
                     ttl: float | timedelta | type[MISSING] | None = MISSING,
@@ -405,11 +398,9 @@ class AsyncKVCache:
             key: ``key(id, *rest, **kwargs)`` returns one id's key (as for `cached()`).
             noself: as for `cached()`.
         """
-        from .decorator import cached_many
-
         if fn is None:
-            return lambda f: cached_many(self, f, ttl, key, noself)
-        return cached_many(self, fn, ttl, key, noself)
+            return lambda f: decorator.cached_many(self, f, ttl, key, noself)
+        return decorator.cached_many(self, fn, ttl, key, noself)
 
     # -- stats ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -440,48 +431,3 @@ class AsyncKVCache:
 
     def __repr__(self) -> str:
         return f"AsyncKVCache({self.client!r}, namespace={self.namespace!r}, ttl={self.ttl!r})"
-
-
-class _PerLoop:
-    """What a cache holds in one event loop: the bound on reads in flight, the ``get()``
-    calls being gathered, computations being shared, its tasks and its writer."""
-
-    def __init__(self, cache: AsyncKVCache, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.in_flight = asyncio.Semaphore(cache._max_in_flight)
-        self.tasks: set[asyncio.Task[Any]] = set()
-        self.writer: asyncio.Task[None] | None = None
-        self.computing: dict[bytes, Shared] = {}
-        #: computations finished while a read of `AsyncKVCache.compute_once()` was in
-        #: flight, by key: (their number in ``finishes``, the computation); cleared when no
-        #: such read is left, and bounded by FINISHED_MAX
-        self.finished: collections.OrderedDict[bytes, tuple[int, Shared]] = (
-            collections.OrderedDict())
-        self.finishes = 0
-        self.readers = 0
-        self.gets = Coalescer(loop, cache._read, cache.reads.copy_of, cache.counters,
-                              self.spawn)
-
-    def done(self, store_key: bytes, shared: Shared, task: asyncio.Task[Any]) -> None:
-        """A computation ended: no longer joined, but kept for the reads that were in
-        flight meanwhile (see `AsyncKVCache.compute_once()`)."""
-        if self.computing.get(store_key) is shared:
-            del self.computing[store_key]
-        self.finishes += 1
-        if self.readers and not task.cancelled() and task.exception() is None:
-            finished = self.finished
-            finished[store_key] = (self.finishes, shared)
-            finished.move_to_end(store_key)
-            if len(finished) > FINISHED_MAX:
-                finished.popitem(last=False)
-
-    def finished_since(self, store_key: bytes, mark: int) -> Shared | None:
-        """The computation of ``store_key`` that finished after ``mark``, if one did."""
-        entry = self.finished.get(store_key)
-        return entry[1] if entry is not None and entry[0] > mark else None
-
-    def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
-        task: asyncio.Task[Any] = self.loop.create_task(coro)  # type: ignore[arg-type]
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-        return task

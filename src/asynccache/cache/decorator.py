@@ -17,7 +17,7 @@ import inspect
 import secrets
 import types
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ..errors import ConfigError, MethodKeyError
 from .coalesce import Computed, Shared
@@ -27,9 +27,36 @@ from .markers import MISSING, Failed
 from .reads import IMMUTABLE
 
 if TYPE_CHECKING:
-    from .core import AsyncKVCache, Condition, _PerLoop
+    from collections.abc import Sequence
 
-__all__ = ["CallKey", "cached", "cached_many", "function_identity"]
+    from .codec import Codec
+    from .keys import Keyspace
+    from .loops import Loops, LoopState
+    from .writes import Writer
+
+__all__ = ["CallKey", "Condition", "DecoratedCache", "cached", "cached_many",
+           "function_identity"]
+
+#: ``condition(result) -> bool``: whether a computed result is stored
+Condition = Callable[[Any], bool]
+
+
+class DecoratedCache(Protocol):
+    """What a decorated function uses of its cache (`AsyncKVCache`): named here, so that
+    the decorators do not import the cache that offers them."""
+
+    keyspace: Keyspace
+    codec: Codec
+    writer: Writer
+    loops: Loops
+
+    def key(self, key: Any) -> bytes: ...
+    def resolve_ttl(self, ttl: Any) -> float | None: ...
+    async def read_store_keys(self, store_keys: Sequence[bytes]) -> list[Any]: ...
+    async def write_entries(self, entries: dict[bytes, bytes], ttl: Any = ...) -> bool: ...
+    async def invalidate_store_keys(self, store_keys: Sequence[bytes]) -> None: ...
+    async def compute_once(self, store_key: bytes, compute: Callable[[], Any],
+                           ttl: float | None, condition: Condition | None = None) -> Any: ...
 
 T = TypeVar("T")
 #: First parameters that make a function a method: the instance or class joins the key.
@@ -127,7 +154,7 @@ class CallKey:
 
     __slots__ = ("cache", "fn", "identity", "key", "method", "noself", "signature", "where")
 
-    def __init__(self, cache: AsyncKVCache, fn: Any, key: Callable[..., Any] | None,
+    def __init__(self, cache: DecoratedCache, fn: Any, key: Callable[..., Any] | None,
                  noself: bool) -> None:
         self.cache = cache
         self.fn = fn
@@ -184,7 +211,7 @@ def _check(fn: Any, ttl: Any, key: Any, condition: Any = None) -> None:
         check_ttl(ttl)
 
 
-def cached(cache: AsyncKVCache, fn: Any, ttl: Any, key: Callable[..., Any] | None,
+def cached(cache: DecoratedCache, fn: Any, ttl: Any, key: Callable[..., Any] | None,
            noself: bool = False, condition: Condition | None = None
            ) -> Callable[..., Awaitable[Any]]:
     """``fn`` wrapped: its results cached in ``cache`` (as the module docstring says). A
@@ -192,7 +219,7 @@ def cached(cache: AsyncKVCache, fn: Any, ttl: Any, key: Callable[..., Any] | Non
     with ``key()`` and ``invalidate()`` for one call's entry."""
     _check(fn, ttl, key, condition)
     call_key = CallKey(cache, fn, key, noself)
-    resolved = cache._ttl(ttl)
+    resolved = cache.resolve_ttl(ttl)
 
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
         store_key = call_key(args, kwargs)  # a KeyEncodingError before any work
@@ -220,7 +247,7 @@ def _decorate(wrapper: Callable[..., Any], fn: Any) -> None:
         wrapper.__qualname__ = getattr(inner, "__qualname__", wrapper.__name__)
 
 
-def cached_many(cache: AsyncKVCache, fn: Any, ttl: Any, key: Callable[..., Any] | None,
+def cached_many(cache: DecoratedCache, fn: Any, ttl: Any, key: Callable[..., Any] | None,
                 noself: bool = False) -> Callable[..., Awaitable[dict[Any, Any]]]:
     """``fn(ids, *rest) -> {id: value}`` wrapped (see `AsyncKVCache.cached_many()`).
 
@@ -228,7 +255,7 @@ def cached_many(cache: AsyncKVCache, fn: Any, ttl: Any, key: Callable[..., Any] 
     (``key(id, *rest, **kwargs)`` with ``key=``), so it is exact over types like any call."""
     _check(fn, ttl, key)
     call_key = CallKey(cache, fn, key, noself)
-    resolved = cache._ttl(ttl)
+    resolved = cache.resolve_ttl(ttl)
     ids_at = 1 if call_key.method else 0
 
     ids_name = list(call_key.signature.parameters)[ids_at:ids_at + 1]
@@ -256,7 +283,7 @@ def cached_many(cache: AsyncKVCache, fn: Any, ttl: Any, key: Callable[..., Any] 
         ids, store_keys, args, kwargs = keys_of(args, kwargs)
         if not ids:
             return {}
-        here = cache._loop()
+        here = cache.loops.here()
         joined = {i: here.computing[sk] for i, sk in store_keys.items() if sk in here.computing}
         asked = [i for i in ids if i not in joined]
         out: dict[Any, Any] = {}
@@ -264,7 +291,7 @@ def cached_many(cache: AsyncKVCache, fn: Any, ttl: Any, key: Callable[..., Any] 
             mark = here.finishes
             here.readers += 1
             try:
-                values = await cache._read([store_keys[i] for i in asked])
+                values = await cache.read_store_keys([store_keys[i] for i in asked])
                 missing = []
                 for i, value in zip(asked, values):
                     if type(value) is Failed:
@@ -307,7 +334,7 @@ def cached_many(cache: AsyncKVCache, fn: Any, ttl: Any, key: Callable[..., Any] 
     return wrapper
 
 
-def _compute_batch(cache: AsyncKVCache, here: _PerLoop, fn: Any, args: tuple[Any, ...],
+def _compute_batch(cache: DecoratedCache, here: LoopState, fn: Any, args: tuple[Any, ...],
                    kwargs: dict[str, Any], ids_at: int, missing: list[Any],
                    store_keys: dict[Any, bytes], ttl: float | None,
                    joined: dict[Any, Shared]) -> None:

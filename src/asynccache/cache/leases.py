@@ -21,7 +21,8 @@ from .keys import lease_key
 from .markers import is_value
 
 if TYPE_CHECKING:
-    from .core import AsyncKVCache
+    from .parts import CacheParts
+    from .reads import ReadPath
 
 __all__ = ["LEASE_POLL", "Leases"]
 
@@ -33,11 +34,12 @@ logger = logging.getLogger("asynccache")
 
 
 class Leases:
-    """The leases of one `AsyncKVCache` (``cache.lease``
-    seconds each)."""
+    """The leases of one cache (``parts.lease`` seconds each); ``reads`` looks for the
+    values leases cover."""
 
-    def __init__(self, cache: AsyncKVCache) -> None:
-        self.cache = cache
+    def __init__(self, parts: CacheParts, reads: ReadPath) -> None:
+        self.parts = parts
+        self.reads = reads
         self._token: tuple[int, bytes] | None = None
 
     @property
@@ -62,7 +64,7 @@ class Leases:
         ``theirs``: keys another process holds. Store trouble, or a store without
         leases: every key is ``mine`` (the lease only saves work; it is never worth a
         wrong or missing value)."""
-        cache = self.cache
+        parts = self.parts
         taken = await self._add(store_keys)
         if taken is None:
             return {}, list(store_keys), []
@@ -70,9 +72,9 @@ class Leases:
         theirs = [k for k, ok in zip(store_keys, taken) if not ok]
         if not got:
             return {}, [], theirs
-        values, _error = await cache.reads.values(got, second_look=True)  # trouble: what was read
+        values, _error = await self.reads.values(got, second_look=True)  # trouble: what was read
         found = {k: v for k, v in zip(got, values) if is_value(v)}
-        counters = cache.counters.shard()
+        counters = parts.counters.shard()
         if not found:
             counters["leases"] += len(got)
             return {}, got, theirs
@@ -87,34 +89,34 @@ class Leases:
         when leases cannot be taken now (store trouble, a node backing off, or a store
         without them): a miss then costs what it costs without ``lease=``, never a round
         trip to a node known to be down."""
-        cache = self.cache
-        if cache.lease is None or not store_keys or cache.policy.down():
+        parts = self.parts
+        if parts.lease is None or not store_keys or parts.policy.down():
             return None
         token = self.token
         try:
-            taken = await cache.client.add_many({lease_key(k): token for k in store_keys},
-                                                cache.lease)
+            taken = await parts.client.add_many({lease_key(k): token for k in store_keys},
+                                                parts.lease)
         except NotImplementedError as exc:
-            if cache.policy.log.first("lease", exc):
+            if parts.policy.log.first("lease", exc):
                 logger.warning("asynccache: %s cannot take leases (%s): lease= is ignored, "
-                               "every process computes its own misses", cache.client.safe_url,
+                               "every process computes its own misses", parts.client.safe_url,
                                exc)
             return None
         except StoreError as exc:
-            cache.policy.failed(NodeName(cache.client.safe_url), "lease", exc)
+            parts.policy.failed(NodeName(parts.client.safe_url), "lease", exc)
             return None
         return taken
 
     async def release(self, store_keys: Sequence[bytes]) -> None:
         """Drop our leases once the values are written (waiters see the value first; a
         write that failed lets a waiter take the lease at once instead of at expiry)."""
-        cache = self.cache
-        if cache.lease is None or not store_keys or cache.policy.down():
+        parts = self.parts
+        if parts.lease is None or not store_keys or parts.policy.down():
             return  # a node backing off: the leases expire on their own
         try:
-            await cache.client.delete_many([lease_key(k) for k in store_keys])
+            await parts.client.delete_many([lease_key(k) for k in store_keys])
         except StoreError as exc:
-            cache.policy.failed(NodeName(cache.client.safe_url), "lease", exc)
+            parts.policy.failed(NodeName(parts.client.safe_url), "lease", exc)
 
     async def wait_for_values(self, store_keys: Sequence[bytes], deadline: float | None = None
                               ) -> tuple[dict[bytes, Any], list[bytes]]:
@@ -125,17 +127,17 @@ class Leases:
 
         Returns the values found and the keys this process must now compute.
         """
-        cache = self.cache
+        parts = self.parts
         if deadline is None:
-            deadline = time.monotonic() + (cache.lease or 0.0) + cache.client.expiry_slack
-        counters = cache.counters.shard()
+            deadline = time.monotonic() + (parts.lease or 0.0) + parts.client.expiry_slack
+        counters = parts.counters.shard()
         counters["lease_waits"] += len(store_keys)
         found: dict[bytes, Any] = {}
         mine: list[bytes] = []
         pending = list(store_keys)
         delay, longest = LEASE_POLL
         while pending:
-            values, error = await cache.reads.values(pending, second_look=True)
+            values, error = await self.reads.values(pending, second_look=True)
             still = []
             for key, value in zip(pending, values):
                 if is_value(value):

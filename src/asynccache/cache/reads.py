@@ -10,17 +10,17 @@ What a read hands back is a value per key, or a marker (`asynccache.cache.marker
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DecodeError, FormatMismatch, StoreError
 from ..store.api import READ_TTL, STORE_COUNTS
 from . import chunks
-from .codec import ChunkManifest
+from .codec import ChunkManifest, join_chunks
 from .markers import MISSING, NOT_READ, Failed
 
 if TYPE_CHECKING:
-    from .core import AsyncKVCache
+    from .parts import CacheParts
 
 __all__ = ["IMMUTABLE", "ReadPath"]
 
@@ -29,30 +29,30 @@ IMMUTABLE = frozenset({bool, int, float, complex, str, bytes, type(None)})
 
 
 class ReadPath:
-    """Reads of one `AsyncKVCache`."""
+    """Reads of one cache, from its parts."""
 
-    def __init__(self, cache: AsyncKVCache) -> None:
-        self.cache = cache
+    def __init__(self, parts: CacheParts) -> None:
+        self.parts = parts
 
     async def blobs(self, store_keys: Sequence[bytes]) -> tuple[list[Any], StoreError | None]:
         """Raw values for ``store_keys`` (``None`` absent, ``NOT_READ`` not read) and the
         first store failure, already counted and logged. Never raises for the store."""
-        cache = self.cache
-        policy = cache.policy
+        parts = self.parts
+        policy = parts.policy
         started = time.perf_counter_ns()
-        async with cache._loop().in_flight:
+        async with parts.loops.here().in_flight:
             sent = time.perf_counter_ns()
-            counts = STORE_COUNTS.set(cache.counters.add)  # the store's own counts: ours
-            ttl = READ_TTL.set(cache.ttl)  # copies a store keeps expire as our values do
+            counts = STORE_COUNTS.set(parts.counters.add)  # the store's own counts: ours
+            ttl = READ_TTL.set(parts.ttl)  # copies a store keeps expire as our values do
             try:
-                result = await cache.client.read(store_keys, policy.down())
+                result = await parts.client.read(store_keys, policy.down())
             finally:
                 READ_TTL.reset(ttl)
                 STORE_COUNTS.reset(counts)
         done = time.perf_counter_ns()
         if result.answered or result.failures:  # a request left (not every node skipped)
-            cache.histograms.record("read", done - sent)
-        counters = cache.counters.shard()
+            parts.histograms.record("read", done - sent)
+        counters = parts.counters.shard()
         counters["batches"] += 1
         counters["keys_requested"] += len(store_keys)
         counters["batch_time_us"] += (done - started) // 1000
@@ -78,12 +78,12 @@ class ReadPath:
         logged then, and are a plain ``MISSING`` now. ``owned``: blobs that are not
         ``bytes`` are memory of their own (`ConsumerConnection.owns_buffers`), decoded
         without a copy: the values may be views of them."""
-        cache = self.cache
+        parts = self.parts
         out: list[Any] = [MISSING] * len(blobs)
         manifests: dict[int, ChunkManifest] = {}
-        codec = cache.codec
+        codec = parts.codec
         decode = codec.decode
-        l1 = cache.l1
+        l1 = parts.l1
         nbytes = largest = 0
         positions: Sequence[int] = range(len(blobs))
         decode_hot = getattr(codec, "decode_hot", None)  # a codec of the user's: no
@@ -122,19 +122,19 @@ class ReadPath:
                 out[i] = value
                 if l1 is not None:
                     l1.put(store_keys[i], bytes(blob))  # bytes: no copy
-        cache.counters.shard()["bytes_read"] += nbytes
+        parts.counters.shard()["bytes_read"] += nbytes
         return out, manifests, nbytes, largest
 
     def from_l1(self, store_keys: Sequence[bytes]) -> tuple[list[Any], list[int]]:
         """Values the L1 tier holds (decoded afresh, ``NOT_READ`` where it has none) and
         the positions it had nothing for. Any thread."""
-        cache = self.cache
-        l1 = cache.l1
+        parts = self.parts
+        l1 = parts.l1
         if l1 is None:
             return [NOT_READ] * len(store_keys), list(range(len(store_keys)))
         values: list[Any] = [NOT_READ] * len(store_keys)
         missing = []
-        decode = cache.codec.decode
+        decode = parts.codec.decode
         for i, key in enumerate(store_keys):
             blob = l1.get(key)
             if blob is None:
@@ -146,12 +146,12 @@ class ReadPath:
                 missing.append(i)
         hits = len(store_keys) - len(missing)
         if hits:
-            cache.counters.shard()["l1_hits"] += hits
+            parts.counters.shard()["l1_hits"] += hits
         return values, missing
 
     def decode_failed(self, store_key: bytes, exc: DecodeError) -> Any:
         """Count and log undecodable bytes: ``MISSING``, or `Failed` in raise mode."""
-        policy = self.cache.policy
+        policy = self.parts.policy
         error = type(exc)(f"key {store_key!r}: {exc}")
         policy.decode_failed(error)
         if policy.strict and not isinstance(exc, FormatMismatch):
@@ -166,7 +166,7 @@ class ReadPath:
         asked for. ``sizes`` gets the bytes the store's reply carried and its largest
         value's appended (read-ahead sizes its requests by them). ``second_look``: see
         `decode()`."""
-        if self.cache.l1 is not None:
+        if self.parts.l1 is not None:
             values, missing = self.from_l1(store_keys)
             if not missing:
                 return values, None
@@ -183,18 +183,48 @@ class ReadPath:
                          second_look: bool = False) -> tuple[list[Any], StoreError | None]:
         blobs, error = await self.blobs(store_keys)
         values, manifests, nbytes, largest = self.decode(
-            store_keys, blobs, second_look, self.cache.client.reads_own_buffers)
+            store_keys, blobs, second_look, self.parts.client.reads_own_buffers)
         if sizes is not None:
             sizes.append((nbytes, largest))
         if manifests:
-            await chunks.resolve(self, store_keys, manifests, values, second_look)
+            await self.resolve_chunks(store_keys, manifests, values, second_look)
         return values, error
+
+    async def resolve_chunks(self, store_keys: Sequence[bytes],
+                             manifests: dict[int, ChunkManifest], out: list[Any],
+                             second_look: bool = False) -> None:
+        """Replace ``out[i]`` by the joined value of each manifest (one request for all
+        chunks; a missing or damaged chunk leaves the miss in place)."""
+        blobs, _error = await self.blobs(chunks.chunk_keys_of(store_keys, manifests))
+        self.assemble(store_keys, manifests, out, blobs, second_look)
+
+    def assemble(self, store_keys: Sequence[bytes], manifests: Mapping[int, ChunkManifest],
+                 out: list[Any], blobs: Sequence[Any], second_look: bool = False) -> None:
+        """`resolve_chunks` once the chunks were read (``blobs``, in
+        `chunks.chunk_keys_of`'s order), by whichever path read them: no I/O."""
+        parts = self.parts
+        l1, decode = parts.l1, parts.codec.decode
+        keep = l1 is not None  # the L1 tier keeps the bytes: decode a copy
+        pos = 0
+        for i, manifest in manifests.items():
+            pieces = blobs[pos : pos + manifest.chunks]
+            pos += manifest.chunks
+            if any(p is None or p is NOT_READ for p in pieces):
+                continue  # a chunk was evicted (or not read): the whole value is a miss
+            try:
+                joined = join_chunks(pieces, manifest, owned=not keep)
+                out[i] = decode(joined, store_keys[i], owned=not keep)
+            except DecodeError as exc:
+                out[i] = MISSING if second_look else self.decode_failed(store_keys[i], exc)
+                continue
+            if l1 is not None:
+                l1.put(store_keys[i], bytes(joined))
 
     def outcomes(self, values: list[Any], error: StoreError | None) -> list[Any]:
         """Markers → what a caller gets, counting hits and misses: ``MISSING`` for a
         miss; in raise mode `Failed` for a key whose node failed or whose bytes
         did not decode (the caller raises it)."""
-        strict = self.cache.policy.strict
+        strict = self.parts.policy.strict
         hits = misses = 0
         for i, value in enumerate(values):
             if value is MISSING or value is NOT_READ:
@@ -205,7 +235,7 @@ class ReadPath:
                 misses += 1
             elif type(value) is not Failed:
                 hits += 1
-        counters = self.cache.counters.shard()
+        counters = self.parts.counters.shard()
         counters["hits"] += hits
         counters["misses"] += misses
         return values
@@ -215,5 +245,5 @@ class ReadPath:
         key gets it: encoded and decoded again (only where a key repeats)."""
         if value is None or type(value) in IMMUTABLE:
             return value
-        codec = self.cache.codec
+        codec = self.parts.codec
         return codec.decode(codec.encode(value, store_key), store_key)

@@ -327,8 +327,7 @@ class SocketReader(Reader):
         ticket.nbytes += sum(len(blob) for blob in chunk_read.values
                              if blob is not None and blob is not NOT_READ)
         ticket.largest = max(ticket.largest, *(m.size for m in manifests.values()))
-        chunks.assemble(self.cache.reads, ticket.keys, manifests, ticket.values,
-                        chunk_read.values)
+        self.cache.reads.assemble(ticket.keys, manifests, ticket.values, chunk_read.values)
         ticket.waiting_for = None
         ticket.done = True
         self.completed.append(ticket)
