@@ -136,6 +136,11 @@ def test_a_killed_holder_delays_the_others_by_at_most_the_lease(
         lease_url: str, namespace: str, tmp_path: Path) -> None:
     lease = 1.5
     log = tmp_path / "log"
+    # built first: the pipe's first use in a process imports torch, which may take longer
+    # than the lease on a busy machine (the holder's leases would be gone before the read)
+    source = RecordedSource(N_KEYS, str(tmp_path / "log2"), compute=0)
+    dp = ac.AsyncKVCacheMapDataPipe(source, ac.connect(lease_url), namespace=namespace,
+                                    lease=lease)
     ctx = multiprocessing.get_context("fork")
     ready = ctx.Event()
     holder = ctx.Process(target=_holder, args=(lease_url, namespace, str(log), ready))
@@ -143,9 +148,6 @@ def test_a_killed_holder_delays_the_others_by_at_most_the_lease(
     assert ready.wait(30)  # it holds the leases and is computing
     os.kill(holder.pid, signal.SIGKILL)
     holder.join()
-    source = RecordedSource(N_KEYS, str(tmp_path / "log2"), compute=0)
-    dp = ac.AsyncKVCacheMapDataPipe(source, ac.connect(lease_url), namespace=namespace,
-                                    lease=lease)
     started = time.monotonic()
     values = dp.__getitems__(list(range(10)))
     waited = time.monotonic() - started

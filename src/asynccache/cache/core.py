@@ -289,38 +289,43 @@ class AsyncKVCache:
     async def _compute_and_store(self, store_key: bytes, compute: Callable[[], Any],
                                  ttl: float | None, condition: Condition | None
                                  ) -> Computed:
-        if self.lease is not None:
-            found, _mine, theirs = await self.leases.claim([store_key])
-            if not found and theirs:
-                found, _now_mine = await self.leases.wait_for_values(theirs)
-            if store_key in found:
-                return self.snapshot(store_key, found[store_key])
+        if self.lease is None:
+            return await self._compute_write(store_key, compute, ttl, condition)
+        outcome = await self.leases.run([store_key], functools.partial(
+            self._compute_leased, store_key, compute, ttl, condition))
+        if store_key in outcome.computed:
+            return outcome.computed[store_key]  # type: ignore[no-any-return]
+        return self.snapshot(store_key, outcome.found[store_key])
+
+    async def _compute_leased(self, store_key: bytes, compute: Callable[[], Any],
+                              ttl: float | None, condition: Condition | None,
+                              leased: list[bytes]) -> dict[bytes, Computed]:
+        """The lease protocol's `ComputeMine` step for one key: compute and write it, then
+        drop its lease -- after a failure too, or the retry here or elsewhere waits the
+        lease out."""
         try:
-            result = compute()
-            if inspect.isawaitable(result):
-                result = await result
-            if condition is not None and not condition(result):
-                computed = self.snapshot(store_key, result)
-            else:
-                blobs = self.writer.encode_values({store_key: result})
-                await self.write_entries(self.writer.entries_for(blobs), ttl)
-                computed = Computed(result,
-                                    None if type(result) in IMMUTABLE else blobs[store_key])
-        except Exception:
-            # a compute that raised (or a write that raised, under on_error="raise"):
-            # drop the lease now, or the retry here or elsewhere waits the lease out
-            if self.lease is not None:
-                await self.leases.release([store_key])
+            computed = await self._compute_write(store_key, compute, ttl, condition)
+        except Exception:  # a compute that raised (or a write, under on_error="raise")
+            await self.leases.release(leased)
             raise
         except BaseException:
             # cancelled (or an interrupt): not awaited here, so the cancellation is not
             # delayed by a round trip; the release runs as a task of its own
-            if self.lease is not None:
-                self.loops.here().spawn(self.leases.release([store_key]))
+            self.loops.here().spawn(self.leases.release(leased))
             raise
-        if self.lease is not None:
-            await self.leases.release([store_key])
-        return computed
+        await self.leases.release(leased)
+        return {store_key: computed}
+
+    async def _compute_write(self, store_key: bytes, compute: Callable[[], Any],
+                             ttl: float | None, condition: Condition | None) -> Computed:
+        result = compute()
+        if inspect.isawaitable(result):
+            result = await result
+        if condition is not None and not condition(result):
+            return self.snapshot(store_key, result)
+        blobs = self.writer.encode_values({store_key: result})
+        await self.write_entries(self.writer.entries_for(blobs), ttl)
+        return Computed(result, None if type(result) in IMMUTABLE else blobs[store_key])
 
     def snapshot(self, store_key: bytes, value: Any) -> Computed:
         """``value`` with the bytes its other callers decode their own objects from, made

@@ -11,8 +11,8 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Generator, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import _fork
 from ..errors import StoreError
@@ -24,13 +24,65 @@ if TYPE_CHECKING:
     from .parts import CacheParts
     from .reads import ReadPath
 
-__all__ = ["LEASE_POLL", "Leases"]
+__all__ = ["LEASE_POLL", "Claim", "ComputeMine", "Leased", "Leases", "WaitFor",
+           "lease_protocol"]
 
 #: How often a process waiting on another's lease looks for the value: from the first
 #: to the last delay, growing by half each time (a value usually lands within a compute).
 LEASE_POLL = (0.005, 0.1)
 
 logger = logging.getLogger("asynccache")
+
+
+class Claim(NamedTuple):
+    """Step: take the leases of ``keys`` (`Leases.claim()`); the driver sends back
+    ``(found, mine, theirs)``."""
+
+    keys: list[bytes]
+
+
+class ComputeMine(NamedTuple):
+    """Step: compute ``keys`` (this process holds their leases), write the values, then
+    drop the leases -- on failure too; the driver sends back ``{key: result}``."""
+
+    keys: list[bytes]
+
+
+class WaitFor(NamedTuple):
+    """Step: wait for the values of ``keys`` others hold leases on
+    (`Leases.wait_for_values()`); the driver sends back ``(found, now mine)``."""
+
+    keys: list[bytes]
+
+
+Step = Claim | ComputeMine | WaitFor
+
+
+class Leased(NamedTuple):
+    """What a batch of misses came to under leases: values another process wrote
+    (``found``, read from the store) and what this process computed (``computed``: what
+    the driver's `ComputeMine` step returned)."""
+
+    found: dict[bytes, Any]
+    computed: dict[bytes, Any]
+
+
+def lease_protocol(keys: Sequence[bytes]) -> Generator[Step, Any, Leased]:
+    """The one lease protocol, claim -> compute -> write -> release -> wait, for a batch
+    of keys that missed: the steps, without their I/O.
+
+    Its drivers are `Leases.run()` (the cache's loop: ``get_or_compute``, the decorator)
+    and the consumer thread's (`asynccache.cache.port`: a pipe, a node), which computes in
+    the calling thread and bounds each step. Keys whose lease frees up while waiting (the
+    holder died or gave up) are this process's to compute."""
+    found, mine, theirs = yield Claim(list(keys))
+    computed = dict((yield ComputeMine(mine))) if mine else {}
+    if theirs:
+        more, now_mine = yield WaitFor(theirs)
+        found.update(more)
+        if now_mine:
+            computed.update((yield ComputeMine(now_mine)))
+    return Leased(found, computed)
 
 
 class Leases:
@@ -162,3 +214,22 @@ class Leases:
                 await asyncio.sleep(min(delay, remaining))
                 delay = min(delay * 1.5, longest)
         return found, mine
+
+    async def run(self, keys: Sequence[bytes],
+                  compute_mine: Callable[[list[bytes]], Awaitable[dict[bytes, Any]]]
+                  ) -> Leased:
+        """`lease_protocol` driven in the cache's loop; ``compute_mine(keys)`` computes,
+        writes and releases (the `ComputeMine` step)."""
+        steps = lease_protocol(keys)
+        reply: Any = None
+        try:
+            while True:
+                step = steps.send(reply)
+                if type(step) is Claim:
+                    reply = await self.claim(step.keys)
+                elif type(step) is WaitFor:
+                    reply = await self.wait_for_values(step.keys)
+                else:
+                    reply = await compute_mine(step.keys)
+        except StopIteration as end:
+            return end.value

@@ -22,6 +22,7 @@ from .. import _fork
 from ..cache.codec import Codec
 from ..cache.core import AsyncKVCache, OnError
 from ..cache.keys import Keyspace
+from ..cache.leases import Claim, Leased, WaitFor, lease_protocol
 from ..cache.markers import is_value
 from ..errors import CacheError, StoreError, StoreTimeout
 from ..observe.board import REPORT_INTERVAL, StatsBoard
@@ -291,30 +292,34 @@ class ProcessRuntime:
 
     def _compute_once(self, wanted: Mapping[bytes, Any],
                       fn: Callable[[Any], Any]) -> dict[bytes, Any]:
-        """Claim the keys (`Leases.claim()`), compute and write
-        what is ours, wait for the others' values; a lease that frees up while waiting
-        (its holder died) is ours."""
+        """The cache's one lease protocol (`lease_protocol`), driven from the calling
+        thread: each store step runs in the loop, bounded; a step that does not end in
+        time means "compute here" (the lease only saves work)."""
         cache, loop = self.cache, self.loop
         # requests of at most `timeout` each: a claim is add + read (+ chunks) + delete;
         # a wait's last poll, after its deadline, is a read (+ chunks) and a claim
         request = self.client.timeout
-        keys = list(wanted)
-        try:
-            found, mine, theirs = loop.call(cache.leases.claim(keys), request * 4 + 1)
-        except concurrent.futures.TimeoutError:
-            found, mine, theirs = {}, keys, []
-        computed = self._compute_mine({k: wanted[k] for k in mine}, fn)
-        computed.update(found)
-        if theirs:
-            lease = self.lease or 0.0
+        wait_bound = (self.lease or 0.0) + self.client.expiry_slack + request * 6 + 1
+        steps = lease_protocol(list(wanted))
+        reply: Any = None
+        while True:
             try:
-                found, mine = loop.call(cache.leases.wait_for_values(theirs),
-                                        lease + self.client.expiry_slack + request * 6 + 1)
-            except concurrent.futures.TimeoutError:
-                found, mine = {}, theirs
-            computed.update(found)
-            computed.update(self._compute_mine({k: wanted[k] for k in mine}, fn))
-        return computed
+                step = steps.send(reply)
+            except StopIteration as end:
+                outcome: Leased = end.value
+                return {**outcome.computed, **outcome.found}
+            if type(step) is Claim:
+                try:
+                    reply = loop.call(cache.leases.claim(step.keys), request * 4 + 1)
+                except concurrent.futures.TimeoutError:
+                    reply = {}, step.keys, []
+            elif type(step) is WaitFor:
+                try:
+                    reply = loop.call(cache.leases.wait_for_values(step.keys), wait_bound)
+                except concurrent.futures.TimeoutError:
+                    reply = {}, step.keys
+            else:
+                reply = self._compute_mine({k: wanted[k] for k in step.keys}, fn)
 
     def _compute_mine(self, wanted: Mapping[bytes, Any],
                       fn: Callable[[Any], Any]) -> dict[bytes, Any]:
