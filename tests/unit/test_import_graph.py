@@ -119,3 +119,11 @@ def test_the_cache_mechanisms_do_not_import_the_cache() -> None:
     for name in ("reads", "writes", "write_queue", "leases", "chunks", "decorator", "loops",
                  "parts", "coalesce"):
         assert "asynccache.cache.core" not in edges[f"asynccache.cache.{name}"], name
+
+
+def test_read_ahead_reaches_the_cache_only_through_its_port() -> None:
+    edges = graph()
+    reached = {target for name, targets in edges.items()
+               if name.startswith("asynccache.readahead.")
+               for target in targets if target.startswith("asynccache.cache")}
+    assert reached == {"asynccache.cache.port"}

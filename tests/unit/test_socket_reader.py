@@ -14,6 +14,7 @@ from typing import Any
 import asynccache as ac
 from asynccache.cache.core import AsyncKVCache
 from asynccache.cache.markers import MISSING
+from asynccache.cache.port import CachePort
 from asynccache.readahead.readers import SocketReader, Ticket
 from asynccache.store.api import NOT_READ, ConsumerConnection, ConsumerReads
 
@@ -53,9 +54,10 @@ class ScriptedConnection(ConsumerConnection):
 
 
 def _source(conn: ScriptedConnection) -> tuple[SocketReader, AsyncKVCache]:
-    cache = AsyncKVCache(ac.connect("memory://socket-source"), namespace="unit")
+    port = CachePort(None, ac.connect("memory://socket-source"),  # type: ignore[arg-type]
+                     "unit", None, None, "fallback", None)  # type: ignore[arg-type]
     reads = ConsumerReads([conn], lambda keys: [(0, list(range(len(keys))))])
-    return SocketReader(cache, reads, loop=None), cache  # type: ignore[arg-type]
+    return SocketReader(port, reads, loop=None), port.cache  # type: ignore[arg-type]
 
 
 def _store(cache: AsyncKVCache, n: int) -> dict[bytes, bytes]:

@@ -16,11 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _fork
 from .._fork import park_inherited
-from ..cache.codec import Codec
-from ..cache.core import OnError, check_settings
-from ..cache.expiry import check_ttl
-from ..cache.keys import Keyspace
-from ..cache.markers import MISSING
+from ..cache.port import MISSING, Codec, Keyspace, OnError, check_settings, check_ttl
 from ..errors import ClosedError, ConfigError, KeyEncodingError
 from ..observe.stats import CORE_COUNTERS
 from ..store.api import BaseClient
@@ -101,7 +97,7 @@ class PipeRuntime(ProcessRuntime):
         # prefetch is per node: a batch spread over a cluster's or a pool's nodes keeps
         # each node's share as large as one server's (the bytes bound still holds)
         p = Prefetcher(reader, pipe.keyspace.key, length, pipe.prefetch * reader.fanout,
-                       self.cache.policy.strict, self.budget)
+                       self.port.policy.strict, self.budget)
         p.follow_order = pipe._follow_order
         p.on_stop = self._order_not_followed
         p.stale_order = True  # its first read follows the pipe's order
@@ -114,7 +110,7 @@ class PipeRuntime(ProcessRuntime):
     def warn_process_local(self) -> None:
         """A store whose values stay in one process, used in a DataLoader worker: say
         once per job that nothing is shared, and what shares."""
-        if self.cache.policy.log.first("workers", ConfigError("process-local store")):
+        if self.port.policy.log.first("workers", ConfigError("process-local store")):
             logger.warning(
                 "asynccache: %s keeps its values in each process: the DataLoader workers "
                 "of this pipe share nothing with each other or with the main process, and "
@@ -125,7 +121,7 @@ class PipeRuntime(ProcessRuntime):
     def _order_not_followed(self) -> None:
         """A prefetcher stopped guessing: say so once per job (the stats board's claim,
         as failures are logged), with the fix."""
-        if self.cache.policy.log.first("read-ahead", ConfigError("order not followed")):
+        if self.port.policy.log.first("read-ahead", ConfigError("order not followed")):
             logger.warning(
                 "asynccache: read-ahead stopped guessing: the reads do not come in the order "
                 "given to set_order() (a sampler that draws from a random generator of its "
@@ -159,7 +155,7 @@ class PipeRuntime(ProcessRuntime):
 
     def stats(self) -> dict[str, int]:
         """This process's counters: the cache's and every thread's prefetcher's."""
-        total = self.cache.counts()
+        total = self.port.counts()
         total.setdefault("computed", 0)
         for name, value in self.counts().items():
             total[name] = total.get(name, 0) + value
@@ -474,7 +470,7 @@ class AsyncKVCacheMapDataPipe(_Base):
             computed = self._compute(missing, rt, visible=visible)
             values = [computed[i] if v is MISSING else v for i, v in zip(indices, values)]
         else:
-            rt.settle()
+            rt.port.settle()
         if len(set(indices)) < len(indices):
             values = self._own_objects(indices, values, rt)
         if orders.worker_info() is not None:  # counted where the loop looks, before it gets them
@@ -488,7 +484,7 @@ class AsyncKVCacheMapDataPipe(_Base):
         out = []
         for index, value in zip(indices, values):
             if index in seen:
-                value = rt.cache.reads.copy_of(self.key_for(index), value)
+                value = rt.port.copy_of(self.key_for(index), value)
             else:
                 seen.add(index)
             out.append(value)
@@ -498,7 +494,7 @@ class AsyncKVCacheMapDataPipe(_Base):
                  visible: str = "queued") -> dict[Any, Any]:
         """Compute misses in this thread and write them back (see ProcessRuntime.compute)."""
         wanted = {self.key_for(i): i for i in dict.fromkeys(indices)}
-        computed = rt.compute(wanted, self.source.__getitem__, visible=visible)
+        computed = rt.port.compute(wanted, self.source.__getitem__, visible=visible)
         return {wanted[key]: value for key, value in computed.items()}
 
     def __iter__(self) -> Iterator[Any]:

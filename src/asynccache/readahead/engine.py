@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._sentinel import Sentinel
-from ..cache.markers import MISSING, NOT_READ, Failed
+from ..cache.port import MISSING, NOT_READ, Failed
 from ..errors import CacheError, StoreTimeout
 from .readers import Reader, Ticket
 from .window import BOUNDED_REQUEST_BYTES, WindowSizer

@@ -17,11 +17,17 @@ from typing import Any, Literal, TypeVar
 
 from .. import _fork
 from .._fork import park_inherited
-from ..cache.codec import Codec
-from ..cache.core import OnError, check_settings
-from ..cache.expiry import check_ttl
-from ..cache.keys import Keyspace, anonymous_scope, unique_namespace
-from ..cache.markers import MISSING, NOT_READ
+from ..cache.port import (
+    MISSING,
+    NOT_READ,
+    Codec,
+    Keyspace,
+    OnError,
+    anonymous_scope,
+    check_settings,
+    check_ttl,
+    unique_namespace,
+)
 from ..errors import ClosedError, ConfigError, MissingDependency
 from ..observe.stats import CORE_COUNTERS
 from ..store.api import BaseClient
@@ -112,7 +118,7 @@ class NodeRuntime(ProcessRuntime):
 
     def stats(self) -> dict[str, int]:
         """This process's counters: the cache's and the node's own."""
-        total = self.cache.counts()
+        total = self.port.counts()
         total.setdefault("computed", 0)
         for name, value in self.node._all_counts().items():
             total[name] = total.get(name, 0) + value
@@ -413,7 +419,7 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
         """A miss in a worker thread: computed and encoded there (both off the consumer)."""
         value = self.map_fn(entry.item)
         rt = self._runtime()
-        return value, rt.cache.writer.encode_values({entry.key: value})
+        return value, rt.port.encode({entry.key: value})
 
     def _value_of(self, entry: _Entry, rt: NodeRuntime, engine: ReadAhead) -> Any:
         """The entry's value read ahead (waited for when still on the wire), else
@@ -430,23 +436,23 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
     def _computed(self, entry: _Entry, rt: NodeRuntime) -> Any:
         """A miss: a value this process wrote lately (read your writes: the source may
         yield an item twice), else its worker's result or computed here, written back."""
-        found = rt.recall([entry.key])
+        found = rt.port.recall([entry.key])
         if found:
             if entry.future is not None:
                 entry.future.cancel()  # computed ahead in vain, if it started
             return found[entry.key]
-        rt.cache.counters.add("computed", 1)
+        rt.port.count("computed", 1)
         if entry.future is None:
             value = self.map_fn(entry.item)
-            rt.queue_writes(rt.cache.writer.encode_values({entry.key: value}))
+            rt.port.queue_writes(rt.port.encode({entry.key: value}))
             return value
         self._counts["computed_ahead"] += 1
         result = entry.future.result()
         if self.method == "process":
-            rt.queue_writes(rt.cache.writer.encode_values({entry.key: result}))
+            rt.port.queue_writes(rt.port.encode({entry.key: result}))
             return result
         value, blobs = result
-        rt.queue_writes(blobs)
+        rt.port.queue_writes(blobs)
         return value
 
     def _drop_ahead(self) -> None:

@@ -9,7 +9,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..cache.markers import MISSING, Failed
+from ..cache.port import MISSING, Failed
 from .engine import NOTHING, ReadAhead, served
 from .readers import Reader
 from .window import DEFAULT_READAHEAD_BYTES, Budget, WindowSizer

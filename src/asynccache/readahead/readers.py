@@ -15,9 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._interrupts import raised_in_signal_handler
-from ..cache import chunks
-from ..cache.codec import ChunkManifest
-from ..cache.core import AsyncKVCache
+from ..cache.port import CachePort, ChunkManifest, chunk_keys_of
 from ..errors import CacheError, LoopError, StoreError
 from ..store.api import NOT_READ, ConsumerReads
 from ..store.loop import LoopThread
@@ -107,22 +105,22 @@ class Reader(ABC):
 class SocketReader(Reader):
     """Read-ahead on the consumer's own connections, one per node."""
 
-    def __init__(self, cache: AsyncKVCache, reads: ConsumerReads, loop: LoopThread) -> None:
-        self.cache = cache
-        self.policy = cache.policy
+    def __init__(self, port: CachePort, reads: ConsumerReads, loop: LoopThread) -> None:
+        self.port = port
+        self.policy = port.policy
         self.loop = loop
         self.conns = reads.connections
         #: every connection's large values are memory of their own: decoded in place
         self.owned = all(conn.owns_buffers for conn in self.conns)
         self.fanout = reads.fanout
         self.route = reads.route
-        self.histograms = cache.histograms
+        self.histograms = port.histograms
         #: per connection, the ticket parts on its wire, oldest first:
         #: (ticket, positions, perf_counter_ns when sent)
         self.parts: list[collections.deque[tuple[Ticket, list[int] | None, int]]] = [
             collections.deque() for _ in self.conns]
         self.completed: list[Ticket] = []
-        self.timeout = cache.client.timeout
+        self.timeout = port.client.timeout
         self.looked = 0.0  # time.monotonic() at the end of the last call into this reader
 
     def resume(self) -> None:
@@ -162,7 +160,7 @@ class SocketReader(Reader):
                 continue
             self.parts[ci].append((ticket, positions, sent))
             ticket.remaining += 1
-        counters = self.cache.counters.shard()
+        counters = self.port.counters.shard()
         counters["keys_requested"] += len(keys)
         if skipped:
             self.policy.skipped(skipped)
@@ -298,18 +296,18 @@ class SocketReader(Reader):
                 self._finish(ticket)
 
     def _finish(self, ticket: Ticket) -> None:
-        cache = self.cache
-        cache.counters.shard()["batches"] += 1
+        port = self.port
+        port.counters.shard()["batches"] += 1
         if ticket.chunks_of is not None:
             self._chunks_read(ticket)
             return
-        values, manifests, ticket.nbytes, ticket.largest = cache.reads.decode(
+        values, manifests, ticket.nbytes, ticket.largest = port.decode(
             ticket.keys, ticket.values, owned=self.owned)
         ticket.values = values
         if manifests:
             # chunked values: their chunks on these same connections (received in place
             # like any large value), in one more request; the ticket completes with it
-            chunk_read = Ticket([], chunks.chunk_keys_of(ticket.keys, manifests),
+            chunk_read = Ticket([], chunk_keys_of(ticket.keys, manifests),
                                 direct=ticket.direct, generation=ticket.generation)
             chunk_read.chunks_of = (ticket, manifests)
             ticket.waiting_for = chunk_read
@@ -327,7 +325,7 @@ class SocketReader(Reader):
         ticket.nbytes += sum(len(blob) for blob in chunk_read.values
                              if blob is not None and blob is not NOT_READ)
         ticket.largest = max(ticket.largest, *(m.size for m in manifests.values()))
-        self.cache.reads.assemble(ticket.keys, manifests, ticket.values, chunk_read.values)
+        self.port.assemble(ticket.keys, manifests, ticket.values, chunk_read.values)
         ticket.waiting_for = None
         ticket.done = True
         self.completed.append(ticket)
@@ -350,8 +348,8 @@ class LoopReader(Reader):
     the loop thread's feet, and a later acquire blocks for ever.
     """
 
-    def __init__(self, cache: AsyncKVCache, loop: LoopThread, wait_timeout: float) -> None:
-        self.cache = cache
+    def __init__(self, port: CachePort, loop: LoopThread, wait_timeout: float) -> None:
+        self.port = port
         self.loop = loop
         self.wait_timeout = wait_timeout
         self.completed: collections.deque[Ticket] = collections.deque()
@@ -373,7 +371,7 @@ class LoopReader(Reader):
         values: list[Any] | None = None
         try:
             sizes: list[tuple[int, int]] = []
-            values, ticket.error = await self.cache.reads.values(ticket.keys, sizes)
+            values, ticket.error = await self.port.read(ticket.keys, sizes)
             ticket.nbytes = sum(nbytes for nbytes, _ in sizes)
             ticket.largest = max((largest for _, largest in sizes), default=0)
         except CacheError as exc:  # e.g. a key the policy refused; never lose the ticket
@@ -424,15 +422,15 @@ class L1Reader(Reader):
     memory (decoded afresh); only the others go to ``inner``, as a ticket of their own
     that is merged back into the one the prefetcher knows."""
 
-    def __init__(self, inner: Reader, cache: AsyncKVCache) -> None:
+    def __init__(self, inner: Reader, port: CachePort) -> None:
         self.inner = inner
         self.fanout = inner.fanout
-        self.cache = cache
+        self.port = port
         self.completed: list[Ticket] = []
         self.rest: dict[int, Ticket] = {}  # id(ticket) -> the ticket reading its misses
 
     def submit(self, ticket: Ticket) -> None:
-        values, missing = self.cache.reads.from_l1(ticket.keys)
+        values, missing = self.port.from_l1(ticket.keys)
         if not missing:
             ticket.values = values
             ticket.done = True

@@ -2,29 +2,23 @@
 
 Never pickled, rebuilt in every process that uses its owner (a forked DataLoader worker
 inherits the parent's runtime object but not its thread or sockets: see ``current()``).
-Both integrations compute misses through `ProcessRuntime.compute()`, so write-back,
-its visibility guarantee and leases behave the same in both.
+Both integrations compute misses through the same `CachePort.compute()`, so
+write-back, its visibility guarantee and leases behave the same in both.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import copy
 import os
 import secrets
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .. import _fork
-from ..cache.codec import Codec
-from ..cache.core import AsyncKVCache, OnError
-from ..cache.keys import Keyspace
-from ..cache.leases import Claim, Leased, WaitFor, lease_protocol
-from ..cache.markers import is_value
-from ..errors import CacheError, StoreError, StoreTimeout
+from ..cache.port import CachePort, Codec, Keyspace, OnError
 from ..observe.board import REPORT_INTERVAL, StatsBoard
 from ..observe.histogram import Latency, merge
 from ..observe.stats import with_hit_rate
@@ -100,7 +94,7 @@ class Reports:
     def latency(self, runtime: ProcessRuntime | None, per_process: bool) -> Any:
         """What ``latency()`` of a pipe or node returns: this process's histograms (its
         runtime's, if live here) and the copies', summed or by pid."""
-        local = (runtime.cache.latency() if runtime is not None and runtime.current()
+        local = (runtime.port.latency() if runtime is not None and runtime.current()
                  else merge([]))
         if per_process:
             return {os.getpid(): local, **self.latency_others()}
@@ -152,14 +146,12 @@ class ProcessRuntime:
         self.fork_generation = _fork.generation
         self.client = client
         self.loop: LoopThread = get_loop_thread()
-        self.cache = AsyncKVCache(client, keyspace, ttl, codec, on_error, lease=lease,
-                                  l1_bytes=l1_bytes)
+        #: the cache, as this process's consumer threads use it
+        self.port = CachePort(self.loop, client, keyspace, ttl, codec, on_error, lease,
+                              l1_bytes)
         if reports is not None:  # log each kind of failure once per job, not per worker
-            self.cache.policy.log.claim = reports.board.claim
-        self.lease = self.cache.lease
+            self.port.policy.log.claim = reports.board.claim
         self.lock = threading.Lock()
-        #: a batch's writes were queued with visible="next" and not waited for yet
-        self.unsettled = False
         self.loop.call_soon(client.retain)
         #: every copy publishes its counters every second (a DataLoader worker's pipe also
         #: with each batch): those in workers for the owner's stats(), the owner's own for
@@ -195,7 +187,7 @@ class ProcessRuntime:
             try:
                 self.reports.publish(self._snapshot(), {
                     kind: histogram.to_row()
-                    for kind, histogram in self.cache.latency().items()} if latency else None)
+                    for kind, histogram in self.port.latency().items()} if latency else None)
             except OSError:
                 pass  # a full or read-only /dev/shm costs the cross-process view, nothing else
 
@@ -211,177 +203,16 @@ class ProcessRuntime:
         reads = self.client.consumer_reads()
         reader: Reader
         if reads is not None:
-            reader = SocketReader(self.cache, reads, self.loop)
+            reader = SocketReader(self.port, reads, self.loop)
         else:
-            reader = LoopReader(self.cache, self.loop, wait_timeout=self.client.timeout * 2 + 0.5)
-        return L1Reader(reader, self.cache) if self.cache.l1 is not None else reader
+            reader = LoopReader(self.port, self.loop, wait_timeout=self.client.timeout * 2 + 0.5)
+        return L1Reader(reader, self.port) if self.port.has_l1 else reader
 
-    # -- misses ------------------------------------------------------------------------
-    def compute(self, wanted: Mapping[bytes, Any], fn: Callable[[Any], Any], *,
-                visible: str = "queued") -> dict[bytes, Any]:
-        """Values for store keys that missed (``{store key: item}``), ``fn(item)`` each,
-        computed in the calling thread and written back (queued: write-behind).
-
-        ``visible`` says when the writes must be in the store:
-
-        * ``"queued"`` -- whenever the writer gets to them (``flush()`` waits);
-        * ``"now"`` -- before this call returns (about one round trip);
-        * ``"next"`` -- before the *next* batch returns (see `settle()`): a batch's
-          writes go out while the worker computes the next one, instead of the worker
-          waiting for them. The batch that ends a worker's planned epoch uses ``"now"``,
-          so that every value written in epoch 1 is there for every worker in epoch 2,
-          persistent or not.
-
-        Under ``lease`` each key is computed by one process and written at once (see
-        `AsyncKVCache`).
-
-        Read your writes: a key this process wrote lately is not computed again (see
-        `recall()`); every value returned is an object of its own.
-        """
-        found = self.recall(wanted)
-        if found:
-            wanted = {key: item for key, item in wanted.items() if key not in found}
-        if self.lease is not None:
-            computed = self._compute_once(wanted, fn) if wanted else {}
-            computed.update(found)
-            return computed
-        computed = {key: fn(item) for key, item in wanted.items()}
-        self.cache.counters.add("computed", len(computed))
-        blobs = self.cache.writer.encode_values(computed)
-        computed.update(found)
-        if visible == "next":
-            self.settle()  # the previous batch's writes: long done by now, normally
-            self.queue_writes(blobs)
-            self.unsettled = True
-            return computed
-        self.queue_writes(blobs)
-        if visible == "now":
-            self.settle(force=True)
-        return computed
-
-    def recall(self, keys: Iterable[bytes]) -> dict[bytes, Any]:
-        """Values of keys that missed but that this process wrote lately: from the write
-        queue while the store has not acknowledged them (decoded afresh), else read again
-        from the store (a read-ahead miss may predate the write). Only misses ask."""
-        found, again, kept = self.cache.writer.recall(list(keys))
-        recalled = len(found)  # answered from this process's record
-        if kept:  # values the store never took (dropped, failed): it gets them again now
-            self.queue_writes(kept)
-        if again:
-            try:
-                # a second look: damaged bytes were counted by the read that missed
-                values, _error = self.loop.call(
-                    self.cache.reads.values(again, second_look=True), self.client.timeout * 2 + 1)
-            except (concurrent.futures.TimeoutError, CacheError):
-                values = []
-            reread = {key: value for key, value in zip(again, values) if is_value(value)}
-            found.update(reread)
-        if found:  # counted as misses by the read: each is what it was instead
-            counters = self.cache.counters.shard()
-            counters["recalled"] += recalled
-            counters["hits"] += len(found) - recalled  # the store had them after all
-            counters["misses"] -= len(found)
-        return found
-
-    def settle(self, force: bool = False) -> None:
-        """Wait for the writes of batches written with ``visible="next"`` (``force``:
-        for everything queued); bounded, never raises."""
-        if force or self.unsettled:
-            self.unsettled = False
-            self.flush(timeout=max(self.client.timeout * 2, 1.0))
-
-    def _compute_once(self, wanted: Mapping[bytes, Any],
-                      fn: Callable[[Any], Any]) -> dict[bytes, Any]:
-        """The cache's one lease protocol (`lease_protocol`), driven from the calling
-        thread: each store step runs in the loop, bounded; a step that does not end in
-        time means "compute here" (the lease only saves work)."""
-        cache, loop = self.cache, self.loop
-        # requests of at most `timeout` each: a claim is add + read (+ chunks) + delete;
-        # a wait's last poll, after its deadline, is a read (+ chunks) and a claim
-        request = self.client.timeout
-        wait_bound = (self.lease or 0.0) + self.client.expiry_slack + request * 6 + 1
-        steps = lease_protocol(list(wanted))
-        reply: Any = None
-        while True:
-            try:
-                step = steps.send(reply)
-            except StopIteration as end:
-                outcome: Leased = end.value
-                return {**outcome.computed, **outcome.found}
-            if type(step) is Claim:
-                try:
-                    reply = loop.call(cache.leases.claim(step.keys), request * 4 + 1)
-                except concurrent.futures.TimeoutError:
-                    reply = {}, step.keys, []
-            elif type(step) is WaitFor:
-                try:
-                    reply = loop.call(cache.leases.wait_for_values(step.keys), wait_bound)
-                except concurrent.futures.TimeoutError:
-                    reply = {}, step.keys
-            else:
-                reply = self._compute_mine({k: wanted[k] for k in step.keys}, fn)
-
-    def _compute_mine(self, wanted: Mapping[bytes, Any],
-                      fn: Callable[[Any], Any]) -> dict[bytes, Any]:
-        if not wanted:
-            return {}
-        try:
-            computed = {key: fn(item) for key, item in wanted.items()}
-        except BaseException as exc:
-            self._release_failed(list(wanted), exc)
-            raise
-        self.cache.counters.add("computed", len(computed))
-        writer = self.cache.writer
-        blobs = writer.encode_values(computed)
-        entries = writer.entries_for(blobs)
-        written = False
-        try:
-            written = self.loop.call(self._write_then_release(entries, list(computed)),
-                                     self.client.timeout * 3 + 1)
-        except concurrent.futures.TimeoutError:
-            self.cache.count("writes_dropped", len(entries))
-        finally:
-            if not written:  # read your writes: what was returned is what is read again
-                self.cache.writes.keep(blobs)
-                writer.count_forgotten()
-        return computed
-
-    def _release_failed(self, keys: list[bytes], exc: BaseException) -> None:
-        """A compute raised while this process held the leases of ``keys``: drop them
-        now, or every retry (here, or in another process) waits the lease out. After an
-        ordinary exception the release is waited for (bounded by one request), so this
-        process's retry finds the leases free; after an interrupt (KeyboardInterrupt,
-        SystemExit) it is only scheduled, so the interrupt is not delayed."""
-        release = self.cache.leases.release(keys)
-        if not isinstance(exc, Exception):
-            self.loop.submit(release)
-            return
-        try:
-            self.loop.call(release, self.client.timeout + 1)
-        except concurrent.futures.TimeoutError:
-            pass  # the leases expire on their own; the compute's error matters more
-
-    async def _write_then_release(self, entries: dict[bytes, bytes], keys: list[bytes]) -> bool:
-        """Write computed values now, then drop their leases (waiters see the value);
-        True when every value was written."""
-        written = False
-        try:
-            written = await self.cache.write_entries(entries)
-        except StoreError:
-            pass  # raise mode: counted by the policy; write-back never raises
-        finally:  # cancelled too (an interrupted caller): never leave the lease held
-            await self.cache.leases.release(keys)
-        return written
-
-    # -- writes ------------------------------------------------------------------------
-    def queue_writes(self, blobs: Mapping[bytes, bytes]) -> None:
-        """Write encoded values behind (``{store key: blob}``); any thread."""
-        if self.cache.writer.write_later(blobs):
-            self.loop.call_soon(self.cache.writer.start)
-
+    # -- the end ---------------------------------------------------------------------
     def flush(self, timeout: float) -> None:
         """Wait until queued writes are in the store (bounded); never raises for it."""
-        self.finish(close=False, timeout=timeout)
+        if self.current():
+            self.port.finish(close=False, timeout=timeout)
 
     def finish(self, *, close: bool, timeout: float,
                readers: list[Reader] | None = None) -> None:
@@ -393,24 +224,9 @@ class ProcessRuntime:
             if self._timer is not None:
                 self.loop.call_soon(self._timer.cancel)
             self.publish()  # the final numbers of a copy (a worker that exits)
-        try:
-            self.loop.call(self._finish(close, readers or []), timeout)
-        except (TimeoutError, StoreError) as exc:
-            left = len(self.cache.writes)
-            self.cache.count("writes_dropped", left)
-            if isinstance(exc, TimeoutError):  # says nothing by itself: say what happened
-                exc = StoreTimeout(
-                    f"{left:,} queued writes were not all in the store after the "
-                    f"{'close' if close else 'flush'}'s timeout={timeout:g}s; those left are "
-                    f"dropped (whoever misses them computes them again): on a slow link, "
-                    f"pass a larger timeout= to close() or flush()")
-            self.cache.policy.log.report("flush", exc, self.client.safe_url)
 
-    async def _finish(self, close: bool, readers: list[Reader]) -> None:
-        if close:
-            for reader in readers:
+        async def cancel_readers() -> None:
+            for reader in readers or []:
                 await reader.cancel_pending()
-        if close:  # closed too: nothing of the cache asks the store again (probes, refills)
-            await self.cache.aclose()
-        else:
-            await self.cache.flush()
+
+        self.port.finish(close=close, timeout=timeout, before=cancel_readers if close else None)

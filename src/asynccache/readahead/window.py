@@ -9,7 +9,7 @@ import itertools
 import operator
 import weakref
 
-from ..cache.markers import MISSING, NOT_READ
+from ..cache.port import MISSING, NOT_READ
 from ..errors import ConfigError
 from .readers import Ticket
 
