@@ -12,6 +12,8 @@ import termios
 import time
 
 import asynccache as ac
+from asynccache.cache.keys import Keyspace
+from asynccache.cache.settings import CacheSettings
 from asynccache.readahead.readers import SocketReader, Ticket
 from asynccache.readahead.runtime import ProcessRuntime
 from asynccache.store.redis.reads import BlockingRespConnection
@@ -20,7 +22,7 @@ from asynccache.testing import servers
 
 def _source(url: str, namespace: str) -> tuple[ProcessRuntime, SocketReader]:
     client = ac.connect(url)
-    runtime = ProcessRuntime(client, namespace, None, None, "fallback", None)
+    runtime = ProcessRuntime(CacheSettings(client, Keyspace(namespace)))
     source = runtime.new_reader()
     assert isinstance(source, SocketReader)
     return runtime, source

@@ -14,7 +14,7 @@ from typing import Any
 import asynccache as ac
 from asynccache.cache.core import AsyncKVCache
 from asynccache.cache.markers import MISSING
-from asynccache.cache.port import CachePort
+from asynccache.cache.port import CachePort, CacheSettings, Keyspace
 from asynccache.readahead.readers import SocketReader, Ticket
 from asynccache.store.api import NOT_READ, ConsumerConnection, ConsumerReads
 
@@ -54,8 +54,8 @@ class ScriptedConnection(ConsumerConnection):
 
 
 def _source(conn: ScriptedConnection) -> tuple[SocketReader, AsyncKVCache]:
-    port = CachePort(None, ac.connect("memory://socket-source"),  # type: ignore[arg-type]
-                     "unit", None, None, "fallback", None)  # type: ignore[arg-type]
+    settings = CacheSettings(ac.connect("memory://socket-source"), Keyspace("unit"))
+    port = CachePort(None, settings)  # type: ignore[arg-type]  # no loop: never used
     reads = ConsumerReads([conn], lambda keys: [(0, list(range(len(keys))))])
     return SocketReader(port, reads, loop=None), port.cache  # type: ignore[arg-type]
 

@@ -16,13 +16,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, NoReturn
 
-from ..errors import CacheError, ClosedError, ConfigError, StoreError
+from ..errors import CacheError, ClosedError, StoreError
 from ..observe.histogram import Histograms, Latency
 from ..observe.stats import Counters, with_hit_rate
 from ..store.api import BaseClient, NodeName
 from . import decorator
 from .coalesce import Computed, Shared
-from .codec import DEFAULT_CODEC, Codec
+from .codec import Codec
 from .expiry import check_ttl
 from .health import FailurePolicy, OnError
 from .keys import DEFAULT_MAX_KEY_SIZE, Keyspace
@@ -32,31 +32,15 @@ from .loops import Loops
 from .markers import MISSING, Failed
 from .parts import CacheParts
 from .reads import IMMUTABLE, ReadPath
+from .settings import CacheSettings
 from .write_queue import WriteQueue
 from .writes import Writer
 
-__all__ = ["AsyncKVCache", "Key", "OnError", "check_settings"]
+__all__ = ["AsyncKVCache", "Key", "OnError"]
 
 Key = Any  # int-like, str, bytes or tuples of them: see asynccache.cache.keys
 #: ``condition(result) -> bool``: whether a computed result is stored
 Condition = decorator.Condition
-
-
-def check_settings(client: Any, on_error: Any, lease: Any, l1_bytes: Any) -> None:
-    """Raise ConfigError for settings a cache, a pipe or a node cannot use (said in the
-    caller, at construction, not later in a DataLoader worker)."""
-    if not isinstance(client, BaseClient):
-        raise ConfigError(
-            f"client must come from asynccache.connect(url), got {type(client).__name__}"
-        )
-    if on_error not in ("fallback", "raise"):
-        raise ConfigError(f"on_error must be 'fallback' or 'raise', got {on_error!r}")
-    if l1_bytes is not None and (type(l1_bytes) is not int or l1_bytes <= 0):
-        raise ConfigError(f"l1_bytes must be a positive int (bytes of encoded values "
-                          f"kept in this process) or None, got {l1_bytes!r}")
-    if lease is not None:
-        check_ttl(lease, "lease (the longest one batch of misses may take to compute, in "
-                         "seconds)")
 
 
 class AsyncKVCache:
@@ -107,36 +91,51 @@ class AsyncKVCache:
         lease: Any = None,
         l1_bytes: int | None = None,
     ) -> None:
-        check_settings(client, on_error, lease, l1_bytes)
-        self.client = client
+        keyspace = (namespace if isinstance(namespace, Keyspace)
+                    else Keyspace(namespace, max_key_size))
+        self._build(CacheSettings(client, keyspace, ttl, codec, on_error, lease, l1_bytes,
+                                  chunking, max_in_flight, max_pending_writes))
+
+    @classmethod
+    def from_settings(cls, settings: CacheSettings) -> AsyncKVCache:
+        """A cache built from settings checked already (a pipe's or a node's, in each
+        process that uses it)."""
+        cache = cls.__new__(cls)
+        cache._build(settings)
+        return cache
+
+    def _build(self, settings: CacheSettings) -> None:
+        #: what this cache was built from, checked once
+        self.settings = settings
+        client = self.client = settings.client
         #: the namespace and its key rule (a pipe or node passes its own, so that the
         #: cache of each of its copies builds the same keys)
-        self.keyspace = (namespace if isinstance(namespace, Keyspace)
-                         else Keyspace(namespace, max_key_size))
+        self.keyspace = settings.keyspace
         self.namespace = self.keyspace.namespace
         self.prefix = self.keyspace.prefix
         self.max_key_size = self.keyspace.max_key_size
-        self.ttl = self.keyspace.ttl(check_ttl(ttl))
-        self.codec = codec if codec is not None else DEFAULT_CODEC
-        self.on_error: OnError = on_error
-        self.chunking = chunking
-        self.lease = check_ttl(lease, "lease")
-        self.max_pending_writes = max_pending_writes
+        self.ttl: float | None = settings.store_ttl
+        self.codec: Codec = settings.codec  # type: ignore[assignment]  # set when checked
+        self.on_error: OnError = settings.on_error
+        self.chunking = settings.chunking
+        self.lease: float | None = settings.lease
+        self.max_pending_writes = settings.max_pending_writes
         self.counters = Counters()
         #: durations of store requests (one record per request, never per item)
         self.histograms = Histograms()
-        self.policy = FailurePolicy(on_error, self.counters, client.safe_url)
+        self.policy = FailurePolicy(self.on_error, self.counters, client.safe_url)
         #: the in-process tier in front of the store (``l1_bytes``), fed by every decode
-        self.l1 = L1Cache(l1_bytes) if l1_bytes else None
+        self.l1 = L1Cache(settings.l1_bytes) if settings.l1_bytes else None
         #: values written behind and not yet acknowledged (read-your-writes asks it)
-        self.writes = WriteQueue(max_pending_writes, ttl=self.ttl)
-        #: the state held in the running loop; ``get()`` calls gather into `read()`
-        self.loops = Loops(max_in_flight, self.read_store_keys, self._copy_of, self.counters,
-                           self._refuse)
+        self.writes = WriteQueue(settings.max_pending_writes, ttl=self.ttl)
+        #: the state held in the running loop; ``get()`` calls gather into
+        #: `read_store_keys()`
+        self.loops = Loops(settings.max_in_flight, self.read_store_keys, self._copy_of,
+                           self.counters, self._refuse)
         #: what the mechanisms below (and a pipe's consumer threads) take
         self.parts = CacheParts(
             client=client, keyspace=self.keyspace, codec=self.codec, ttl=self.ttl,
-            lease=self.lease, chunking=chunking, counters=self.counters,
+            lease=self.lease, chunking=self.chunking, counters=self.counters,
             histograms=self.histograms, policy=self.policy, l1=self.l1, writes=self.writes,
             loops=self.loops)
         self.reads = ReadPath(self.parts)

@@ -18,18 +18,18 @@ from typing import Any, Literal
 
 from ..errors import CacheError, StoreError, StoreTimeout
 from ..observe.histogram import Latency
-from ..store.api import BaseClient
 from ..store.loop import LoopThread
 from .chunks import chunk_keys_of
 from .codec import ChunkManifest, Codec
-from .core import AsyncKVCache, OnError, check_settings
+from .core import AsyncKVCache, OnError
 from .expiry import check_ttl
 from .keys import Keyspace, anonymous_scope, unique_namespace
 from .leases import Claim, Leased, WaitFor, lease_protocol
 from .markers import MISSING, NOT_READ, Failed, is_value
+from .settings import CacheSettings
 
-__all__ = ["MISSING", "NOT_READ", "CachePort", "ChunkManifest", "Codec", "Failed", "Keyspace",
-           "OnError", "Visible", "anonymous_scope", "check_settings", "check_ttl",
+__all__ = ["MISSING", "NOT_READ", "CachePort", "CacheSettings", "ChunkManifest", "Codec",
+           "Failed", "Keyspace", "OnError", "Visible", "anonymous_scope", "check_ttl",
            "chunk_keys_of", "is_value", "unique_namespace"]
 
 #: When a batch's computed values must be in the store (see `CachePort.compute()`)
@@ -46,13 +46,10 @@ class CachePort:
     `queue_writes()`, `settle()`, `flush()`, `finish()`. Counting: `counters`,
     `histograms`, `policy`, `count()`, `counts()`, `latency()`."""
 
-    def __init__(self, loop: LoopThread, client: BaseClient[Any], keyspace: Keyspace,
-                 ttl: Any, codec: Codec | None, on_error: OnError, lease: Any,
-                 l1_bytes: int | None = None) -> None:
+    def __init__(self, loop: LoopThread, settings: CacheSettings) -> None:
         self.loop = loop
-        self.client = client
-        self.cache = AsyncKVCache(client, keyspace, ttl, codec, on_error, lease=lease,
-                                  l1_bytes=l1_bytes)
+        self.client = settings.client
+        self.cache = AsyncKVCache.from_settings(settings)
         parts = self.cache.parts
         self.reads = self.cache.reads
         self.writer = self.cache.writer

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _fork
 from .._fork import park_inherited
-from ..cache.port import MISSING, Codec, Keyspace, OnError, check_settings, check_ttl
+from ..cache.port import MISSING, CacheSettings, Codec, Keyspace, OnError
 from ..errors import ClosedError, ConfigError, KeyEncodingError
 from ..observe.stats import CORE_COUNTERS
 from ..store.api import BaseClient
@@ -59,8 +59,7 @@ class PipeRuntime(ProcessRuntime):
     """A pipe's runtime: the shared parts plus one prefetcher per consumer thread."""
 
     def __init__(self, pipe: AsyncKVCacheMapDataPipe) -> None:
-        super().__init__(pipe.client, pipe.keyspace, pipe.ttl, pipe.codec, pipe.on_error,
-                         pipe.lease, pipe._reports, pipe.l1_bytes, self.stats)
+        super().__init__(pipe.settings, pipe._reports, self.stats)
         self.pipe = pipe
         self.length = len(pipe)
         #: ``0 <= i < fast_length`` means "an int index needing no normalization"
@@ -242,20 +241,15 @@ class AsyncKVCacheMapDataPipe(_Base):
         if type(prefetch) is not int or prefetch < 0:
             raise ConfigError(f"prefetch must be an int >= 0, got {prefetch!r}")
         budget = readahead_budget(readahead_bytes, prefetch_bytes)
-        # settings are checked here, in the caller, not later in a DataLoader worker
-        check_settings(client, on_error, lease, l1_bytes)
+        #: the cache's settings, checked here, in the caller, not later in a DataLoader
+        #: worker; the namespace and its key rule (without namespace= one unique to this
+        #: pipe) among them
+        self.settings = CacheSettings(
+            client, Keyspace(namespace, owner="an async_kv_cache pipe"), ttl, codec,
+            on_error, lease, l1_bytes)
         self.source = source
-        self.client = client
         self.prefetch = prefetch
         self.readahead_bytes = budget
-        self.ttl = check_ttl(ttl)
-        #: the namespace and its key rule; without namespace= one unique to this pipe
-        self.keyspace = Keyspace(namespace, owner="an async_kv_cache pipe")
-        self.namespace = self.keyspace.namespace
-        self.codec = codec
-        self.on_error: OnError = on_error
-        self.lease = lease
-        self.l1_bytes = l1_bytes
         self._mapping = orders.mapping_behind(source)
         self._take_order(order)
         self._reports = Reports(secrets.token_hex(8), self.namespace)
@@ -263,6 +257,21 @@ class AsyncKVCacheMapDataPipe(_Base):
         self._rt: PipeRuntime | None = None
         #: this process's final counters once close() ran (then any read is an error)
         self._closed: dict[str, int] | None = None
+
+    @property
+    def client(self) -> BaseClient[Any]:
+        """The store client (from the settings)."""
+        return self.settings.client
+
+    @property
+    def keyspace(self) -> Keyspace:
+        """The namespace and its key rule (from the settings)."""
+        return self.settings.keyspace
+
+    @property
+    def namespace(self) -> str:
+        """The namespace values are stored under."""
+        return self.settings.keyspace.namespace
 
     # -- runtime ---------------------------------------------------------------------------
     def _runtime(self) -> PipeRuntime:

@@ -20,12 +20,11 @@ from .._fork import park_inherited
 from ..cache.port import (
     MISSING,
     NOT_READ,
+    CacheSettings,
     Codec,
     Keyspace,
     OnError,
     anonymous_scope,
-    check_settings,
-    check_ttl,
     unique_namespace,
 )
 from ..errors import ClosedError, ConfigError, MissingDependency
@@ -86,8 +85,7 @@ class NodeRuntime(ProcessRuntime):
     that computes misses."""
 
     def __init__(self, node: CachedMapper[Any]) -> None:
-        super().__init__(node.client, node.keyspace, node.ttl, node.codec, node.on_error,
-                         None, node._reports, node.l1_bytes, self.stats)
+        super().__init__(node.settings, node._reports, self.stats)
         self.node = node
         self.reader: Reader | None = None
         self.thread = 0
@@ -213,23 +211,18 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
                 raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
         if method not in ("thread", "process"):
             raise ConfigError(f"method must be 'thread' or 'process', got {method!r}")
-        check_settings(client, on_error, None, l1_bytes)  # now, not in a worker
+        #: the cache's settings, checked now, not in a worker; the namespace and its key
+        #: rule (without namespace= one unique to this node) among them
+        self.settings = CacheSettings(client, Keyspace(namespace, owner="a CachedMapper"),
+                                      ttl, codec, on_error, None, l1_bytes)
         self.source = source
         self.map_fn = map_fn
-        self.client = client
         self.prefetch = prefetch
-        #: the namespace and its key rule; without namespace= one unique to this node
-        self.keyspace = Keyspace(namespace, owner="a CachedMapper")
-        self.namespace = self.keyspace.namespace
-        self.ttl = check_ttl(ttl)
-        self.codec = codec
-        self.on_error: OnError = on_error
         self.key_fn = key_fn
         self.num_workers = num_workers
         self.method = method
         self.multiprocessing_context = multiprocessing_context
         self.snapshot_frequency = snapshot_frequency
-        self.l1_bytes = l1_bytes
         self._reports = Reports(secrets.token_hex(8), self.namespace)
         self._reports.bind(self)
         self._strict = on_error == "raise"
@@ -253,6 +246,21 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
         self._counts = dict.fromkeys(COUNTERS, 0)
         #: this process's final counters once close() ran (then any use is an error)
         self._closed: dict[str, int] | None = None
+
+    @property
+    def client(self) -> BaseClient[Any]:
+        """The store client (from the settings)."""
+        return self.settings.client
+
+    @property
+    def keyspace(self) -> Keyspace:
+        """The namespace and its key rule (from the settings)."""
+        return self.settings.keyspace
+
+    @property
+    def namespace(self) -> str:
+        """The namespace values are stored under."""
+        return self.settings.keyspace.namespace
 
     # -- runtime ---------------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
 import secrets
 import threading
@@ -18,11 +19,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .. import _fork
-from ..cache.port import CachePort, Codec, Keyspace, OnError
+from ..cache.port import CachePort, CacheSettings
 from ..observe.board import REPORT_INTERVAL, StatsBoard
 from ..observe.histogram import Latency, merge
 from ..observe.stats import with_hit_rate
-from ..store.api import BaseClient
 from ..store.loop import LoopThread, get_loop_thread
 from .readers import L1Reader, LoopReader, Reader, SocketReader
 
@@ -116,10 +116,10 @@ def deep_copy_as_new(owner: _Owner, memo: dict[int, Any]) -> _Owner:
     clone = object.__new__(type(owner))
     memo[id(owner)] = clone
     clone.__dict__.update(copy.deepcopy(state, memo))
-    keyspace: Keyspace = clone.keyspace  # type: ignore[attr-defined]
-    clone.keyspace = keyspace.renewed()  # type: ignore[attr-defined]
-    clone.namespace = clone.keyspace.namespace  # type: ignore[attr-defined]
-    reports = Reports(secrets.token_hex(8), clone.namespace)  # type: ignore[attr-defined]
+    settings: CacheSettings = clone.settings  # type: ignore[attr-defined]
+    clone.settings = dataclasses.replace(  # type: ignore[attr-defined]
+        settings, keyspace=settings.keyspace.renewed())
+    reports = Reports(secrets.token_hex(8), clone.settings.keyspace.namespace)  # type: ignore[attr-defined]
     clone._reports = reports  # type: ignore[attr-defined]
     reports.bind(clone)
     return clone
@@ -139,16 +139,13 @@ def _remove_if_owner(board: StatsBoard, generation: int) -> None:
 class ProcessRuntime:
     """Loop thread, cache and queued writes of one pipe or node in one process."""
 
-    def __init__(self, client: BaseClient[Any], keyspace: Keyspace, ttl: Any,
-                 codec: Codec | None, on_error: OnError, lease: Any,
-                 reports: Reports | None = None, l1_bytes: int | None = None,
+    def __init__(self, settings: CacheSettings, reports: Reports | None = None,
                  snapshot: Callable[[], dict[str, int]] | None = None) -> None:
         self.fork_generation = _fork.generation
-        self.client = client
+        client = self.client = settings.client
         self.loop: LoopThread = get_loop_thread()
         #: the cache, as this process's consumer threads use it
-        self.port = CachePort(self.loop, client, keyspace, ttl, codec, on_error, lease,
-                              l1_bytes)
+        self.port = CachePort(self.loop, settings)
         if reports is not None:  # log each kind of failure once per job, not per worker
             self.port.policy.log.claim = reports.board.claim
         self.lock = threading.Lock()
