@@ -128,10 +128,8 @@ class AsyncKVCache:
         self.l1 = L1Cache(settings.l1_bytes) if settings.l1_bytes else None
         #: values written behind and not yet acknowledged (read-your-writes asks it)
         self.writes = WriteQueue(settings.max_pending_writes, ttl=self.ttl)
-        #: the state held in the running loop; ``get()`` calls gather into
-        #: `read_store_keys()`
-        self.loops = Loops(settings.max_in_flight, self.read_store_keys, self._copy_of,
-                           self.counters, self._refuse)
+        #: the state held in the running loop; ``get()`` calls gather into the read path
+        self.loops = Loops(settings.max_in_flight, self.counters, self._refuse)
         #: what the mechanisms below (and a pipe's consumer threads) take
         self.parts = CacheParts(
             client=client, keyspace=self.keyspace, codec=self.codec, ttl=self.ttl,
@@ -139,6 +137,7 @@ class AsyncKVCache:
             histograms=self.histograms, policy=self.policy, l1=self.l1, writes=self.writes,
             loops=self.loops)
         self.reads = ReadPath(self.parts)
+        self.loops.gather_into(self.reads.read, self.reads.copy_of)
         self.writer = Writer(self.parts)
         self.leases = Leases(self.parts, self.reads)
 
@@ -178,17 +177,14 @@ class AsyncKVCache:
     # -- reads ------------------------------------------------------------------------------
     async def read_store_keys(self, store_keys: Sequence[bytes]) -> list[Any]:
         """What callers get for ``store_keys``: values, ``MISSING``, `Failed`."""
-        return self.reads.outcomes(*await self.reads.values(store_keys))
-
-    def _copy_of(self, store_key: bytes, value: Any) -> Any:
-        return self.reads.copy_of(store_key, value)
+        return await self.reads.read(store_keys)
 
     async def get_many(self, keys: Iterable[Key]) -> dict[Key, Any]:
         """``{key: value}`` for the keys found; misses are simply absent."""
         keys = list(dict.fromkeys(keys))
         if not keys:
             return {}
-        values = await self.read_store_keys([self.key(k) for k in keys])
+        values = await self.reads.read([self.key(k) for k in keys])
         for value in values:
             if type(value) is Failed:
                 raise value.error

@@ -76,14 +76,15 @@ class LoopState:
 class Loops:
     """The `LoopState` of the loop a cache was last used in, and the cache's end.
 
-    ``read``/``copy_of`` are what its ``get()`` calls are gathered into (the cache's whole
-    read path); ``refuse()`` raises the error a closed cache gives."""
+    ``refuse()`` raises the error a closed cache gives. The read path its ``get()`` calls
+    are gathered into is given by `gather_into()`: it is built from the parts that hold
+    this object."""
 
-    def __init__(self, max_in_flight: int, read: Read, copy_of: CopyOf, counters: Counters,
+    def __init__(self, max_in_flight: int, counters: Counters,
                  refuse: Callable[[], NoReturn]) -> None:
         self.max_in_flight = max_in_flight
-        self._read = read
-        self._copy_of = copy_of
+        self._read: Read | None = None
+        self._copy_of: CopyOf | None = None
         self._counters = counters
         self._refuse = refuse
         #: the state of the loop last used (None before any); it may be another loop's
@@ -98,9 +99,15 @@ class Loops:
         loop = asyncio.get_running_loop()
         here = self.last
         if here is None or here.loop is not loop:
+            assert self._read is not None and self._copy_of is not None, "gather_into()"
             here = self.last = LoopState(loop, self.max_in_flight, self._read,
                                          self._copy_of, self._counters)
         return here
+
+    def gather_into(self, read: Read, copy_of: CopyOf) -> None:
+        """Where ``get()`` calls go: ``read(store_keys)`` (the cache's whole read path)
+        and ``copy_of`` for a key asked twice. Called once, as the cache is built."""
+        self._read, self._copy_of = read, copy_of
 
     def check_open(self) -> None:
         """Raise the closed cache's error once it is closed."""

@@ -220,6 +220,11 @@ class ReadPath:
             if l1 is not None:
                 l1.put(store_keys[i], bytes(joined))
 
+    async def read(self, store_keys: Sequence[bytes]) -> list[Any]:
+        """What callers get for ``store_keys``: values, ``MISSING``, `Failed` (the whole
+        read path and `outcomes()`)."""
+        return self.outcomes(*await self.values(store_keys))
+
     def outcomes(self, values: list[Any], error: StoreError | None) -> list[Any]:
         """Markers → what a caller gets, counting hits and misses: ``MISSING`` for a
         miss; in raise mode `Failed` for a key whose node failed or whose bytes
