@@ -455,3 +455,31 @@ def test_a_dead_store_is_logged_once_per_job(tmp_path: Path) -> None:
     pids = {line.split()[0] for line in lines if " asynccache " in line}
     assert len(pids) > 1  # several workers failed and logged (DEBUG) ...
     assert processes == 5 and unavailable >= 4 and errors >= unavailable  # ... and counted
+
+
+# -- the catalog: every number reaches Prometheus -----------------------------------------
+def test_every_counter_of_a_pipe_is_a_metric_with_its_value(
+        redis_server: Any, namespace: str, registry: CollectorRegistry) -> None:
+    """Each number of the catalog that is a metric of its own is exported with the value
+    ``stats()`` gives (counters ``_total``, the two sizes as gauges), nonzero ones too."""
+    from asynccache.observe.catalog import CATALOG, exported
+
+    dp = ac.AsyncKVCacheMapDataPipe(list(range(N)), ac.connect(redis_server.url),
+                                    namespace=namespace)
+    CacheCollector(dp, registry=registry)
+    for loader_epoch in range(2):  # misses computed, then hits read ahead
+        for _ in DataLoader(dp, batch_size=BATCH, shuffle=bool(loader_epoch)):
+            pass
+        dp.flush()
+    stats = dp.stats()
+    got = scrape(registry)
+    labels = {"namespace": namespace, "store": dp.client.safe_url}
+    nonzero = 0
+    for stat in exported():
+        name = f"asynccache_{stat.metric}" + ("" if stat.kind == "size" else "_total")
+        assert value(got, name, **labels) == stats.get(stat.name, 0), stat.name
+        nonzero += stats.get(stat.name, 0) > 0
+    assert nonzero >= 8  # hits, misses, computed, sets, bytes, batches, ...
+    unknown = set(stats) - {"hit_rate"} - {s.name for s in CATALOG}
+    assert not unknown, f"numbers of stats() missing from the catalog: {unknown}"
+    dp.close()

@@ -17,11 +17,10 @@ the next scrape.
 Metrics (``namespace`` and ``store`` labels on all; ``store`` is the URL with any
 password masked; objects with the same labels are summed):
 
-* counters ``asynccache_hits_total``, ``asynccache_misses_total``,
-  ``asynccache_l1_hits_total`` (of the hits, served by the in-process tier),
-  ``asynccache_read_bytes_total``, ``asynccache_written_bytes_total``,
-  ``asynccache_sets_total``, ``asynccache_skipped_total`` (keys not asked for: node
-  backing off), ``asynccache_writes_dropped_total``, ``asynccache_computed_total``;
+* every counter of ``stats()`` as ``asynccache_<name>_total`` and its two sizes as
+  gauges: the table of docs/configuration.md ("Counters") gives each one's metric name
+  (``bytes_read`` is ``asynccache_read_bytes_total``, ``batch_time_us`` is
+  ``asynccache_batch_time_microseconds_total``, ...);
 * ``asynccache_errors_total{kind=...}``, ``kind`` one of ``timeouts``, ``unavailable``,
   ``rejected``, ``decode_errors``, ``bad_signatures``, ``other``: they add up to
   ``stats()["errors"]``;

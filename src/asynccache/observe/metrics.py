@@ -9,43 +9,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import ConfigError, MissingDependency
+from .catalog import ERROR_KINDS, exported
 from .histogram import KINDS, Latency, merge
 from .stats import HIT_RATE
-from .summary import ERROR_KINDS, SummaryLogger, log_summary, summary_line
+from .summary import SummaryLogger, log_summary, summary_line
 
 __all__ = ["CacheCollector", "SummaryLogger", "log_summary", "register", "summary_line"]
-
-#: (stats() name, metric name without ``asynccache_`` and ``_total``, help)
-COUNTERS = (
-    ("hits", "hits", "Reads answered from the cache (store or in-process L1)."),
-    ("misses", "misses", "Reads the cache could not answer (computed from the source)."),
-    ("recalled", "recalled",
-     "Reads answered from this process's record of its own writes (not a hit, not a miss)."),
-    ("rewritten", "rewritten",
-     "Kept values written again once the store answered after failing (or lost them)."),
-    ("l1_hits", "l1_hits", "Hits served by the in-process L1 tier."),
-    ("bytes_read", "read_bytes", "Bytes of values read from the store."),
-    ("bytes_written", "written_bytes", "Bytes of values written to the store."),
-    ("sets", "sets", "Values written to the store."),
-    ("skipped", "skipped", "Keys not asked for because their node was backing off."),
-    ("writes_dropped", "writes_dropped", "Values that could not be written."),
-    ("writes_forgotten", "writes_forgotten",
-     "Values not written whose copy kept for read-your-writes was dropped past its budget."),
-    ("interrupted_reads", "interrupted_reads",
-     "Reads stopped by an exception (an interrupt) and repaired at the next read."),
-    ("computed", "computed", "Values computed from the source on a miss."),
-    # a Tiered(near, far) client's (0 for other stores)
-    ("tier_near_hits", "tier_near_hits", "Keys a tiered client's near store answered."),
-    ("tier_far_hits", "tier_far_hits", "Keys read from far after near did not have them."),
-    ("tier_copies", "tier_copies", "Far hits copied into near."),
-    ("tier_near_refused", "tier_near_refused", "Values near refused (full)."),
-    ("tier_near_dropped", "tier_near_dropped",
-     "Values not written to near (copy budget spent, or near refusing or failing lately)."),
-    ("tier_copy_failed", "tier_copy_failed", "Copies into near that failed."),
-    ("tier_copies_undone", "tier_copies_undone",
-     "Copies into near deleted again: far held a newer value (another process wrote it)."),
-)
-
 
 #: "prometheus_client's default registry" (None means: do not register)
 _DEFAULT_REGISTRY: Any = object()
@@ -134,10 +103,12 @@ class CacheCollector:
         go_float = self._prom.utils.floatToGoString
 
         labels = ["namespace", "store"]
-        for stat, name, doc in COUNTERS:
-            family = core.CounterMetricFamily(f"asynccache_{name}", doc, labels=labels)
+        for stat in exported():  # every number of the catalog that is a metric of its own
+            family = (core.GaugeMetricFamily if stat.kind == "size"
+                      else core.CounterMetricFamily)(
+                f"asynccache_{stat.metric}", stat.help, labels=labels)
             for key, (stats, _latency) in readings.items():
-                family.add_metric(list(key), stats.get(stat, 0))
+                family.add_metric(list(key), stats.get(stat.name, 0))
             yield family
         errors = core.CounterMetricFamily(
             "asynccache_errors", "Store failures, by kind (they sum to stats()['errors']).",

@@ -18,7 +18,9 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["CORE_COUNTERS", "HIT_RATE", "Counters", "FailureLog", "with_hit_rate"]
+from .catalog import CACHE_COUNTERS
+
+__all__ = ["HIT_RATE", "Counters", "FailureLog", "with_hit_rate"]
 
 #: The one entry of a public ``stats()`` that is not a counter (a float in [0, 1]).
 HIT_RATE = "hit_rate"
@@ -35,21 +37,10 @@ def with_hit_rate(counters: dict[str, int]) -> dict[str, Any]:
 
 logger = logging.getLogger("asynccache")
 
-#: Counters every cache reports, even at zero (README "stats() counters").
-CORE_COUNTERS = (
-    "hits", "misses", "errors", "decode_errors", "bad_signatures", "outdated", "timeouts",
-    "unavailable",
-    "rejected", "skipped", "batches", "keys_requested", "coalesced", "bytes_read",
-    "sets", "set_batches", "bytes_written", "writes_dropped", "chunked_values",
-    "batch_time_us", "leases", "lease_waits", "lease_hits", "lease_timeouts", "l1_hits",
-    "recalled", "writes_forgotten", "rewritten",
-)
-
-
 class Counters:
     """Named int counters, one shard per thread; `snapshot()` sums them."""
 
-    def __init__(self, names: Iterable[str] = CORE_COUNTERS) -> None:
+    def __init__(self, names: Iterable[str] = CACHE_COUNTERS) -> None:
         self.names = tuple(names)
         self._local = threading.local()
         self._lock = threading.Lock()

@@ -22,12 +22,11 @@ from typing import Any
 
 from .. import _fork
 from ..errors import ConfigError
+from .catalog import ERROR_KINDS
 from .histogram import Latency
 
-__all__ = ["ERROR_KINDS", "SummaryLogger", "log_summary", "summary_line"]
+__all__ = ["SummaryLogger", "log_summary", "summary_line"]
 
-#: The kinds ``errors`` is made of (stats() names); what is left is "other".
-ERROR_KINDS = ("timeouts", "unavailable", "rejected", "decode_errors", "bad_signatures")
 
 _logger = logging.getLogger("asynccache.summary")
 

@@ -18,7 +18,7 @@ from .. import _fork
 from .._fork import park_inherited
 from ..cache.port import MISSING, CacheSettings, Codec, Keyspace, OnError
 from ..errors import ClosedError, ConfigError, KeyEncodingError
-from ..observe.stats import CORE_COUNTERS
+from ..observe.catalog import CACHE_COUNTERS
 from ..store.api import BaseClient
 from . import order as orders
 from .prefetch import Prefetcher
@@ -553,7 +553,7 @@ class AsyncKVCacheMapDataPipe(_Base):
     def _local_stats(self) -> dict[str, int]:
         rt = self._rt
         if rt is None or not rt.current():  # nothing happened in this process yet
-            return {**dict.fromkeys(CORE_COUNTERS, 0),
+            return {**dict.fromkeys(CACHE_COUNTERS, 0),
                     **Prefetcher.zero_counts(), "computed": 0}
         return rt.stats()
 

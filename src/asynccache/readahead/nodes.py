@@ -28,7 +28,7 @@ from ..cache.port import (
     unique_namespace,
 )
 from ..errors import ClosedError, ConfigError, MissingDependency
-from ..observe.stats import CORE_COUNTERS
+from ..observe.catalog import CACHE_COUNTERS, NODE_COUNTERS
 from ..store.api import BaseClient
 from .engine import NOTHING, ReadAhead
 from .readers import Reader, Ticket
@@ -53,9 +53,6 @@ T = TypeVar("T")
 #: How long the end of an epoch may wait for its writes (a value written in epoch 1 is
 #: read in epoch 2 by every worker), in seconds.
 EPOCH_FLUSH_TIMEOUT = 10.0
-#: stats() names of the node's own counters
-COUNTERS = ("hits", "misses", "prefetch_hits", "stalls", "stall_us", "stall_timeouts",
-            "computed_ahead", "interrupted_reads")
 #: the read-ahead engine's attribute for each counter it keeps (the rest are the node's)
 _ENGINE_COUNTERS = {"hits": "hits", "misses": "misses", "prefetch_hits": "prefetch_hits",
                     "stalls": "stalls", "stall_us": "stall_us",
@@ -243,7 +240,7 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
         self._pulled = 0
         self._snapshot: dict[str, Any] | None = None
         self._since = 0
-        self._counts = dict.fromkeys(COUNTERS, 0)
+        self._counts = dict.fromkeys(NODE_COUNTERS, 0)
         #: this process's final counters once close() ran (then any use is an error)
         self._closed: dict[str, int] | None = None
 
@@ -488,7 +485,7 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
         if self._closed is not None:
             local = dict(self._closed)
         elif rt is None or not rt.current():
-            local = dict.fromkeys(CORE_COUNTERS, 0)
+            local = dict.fromkeys(CACHE_COUNTERS, 0)
             local.setdefault("computed", 0)
             for name, value in self._all_counts().items():
                 local[name] = local.get(name, 0) + value

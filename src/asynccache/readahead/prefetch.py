@@ -10,16 +10,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..cache.port import MISSING, Failed
+from ..observe.catalog import PREFETCH_COUNTERS
 from .engine import NOTHING, ReadAhead, served
 from .readers import Reader
 from .window import DEFAULT_READAHEAD_BYTES, Budget, WindowSizer
 
-__all__ = ["COUNTERS", "Prefetcher"]
-
-
-#: the counters a prefetcher reports in stats()
-COUNTERS = ("hits", "misses", "prefetch_hits", "stalls", "stall_us", "direct_reads",
-            "prefetch_wasted", "stall_timeouts", "interrupted_reads", "readahead_stopped")
+__all__ = ["Prefetcher"]
 
 #: Reads in a row that a followed order's plan did not foresee (not the plan's next index)
 #: after which read-ahead stops guessing: a sampler the pipe cannot follow (its own RNG)
@@ -97,7 +93,7 @@ class Prefetcher(ReadAhead):
 
     @staticmethod
     def zero_counts() -> dict[str, int]:
-        return dict.fromkeys(COUNTERS, 0)
+        return dict.fromkeys(PREFETCH_COUNTERS, 0)
 
     @property
     def counts(self) -> dict[str, int]:
