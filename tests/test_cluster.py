@@ -21,7 +21,7 @@ import asynccache as ac
 from asynccache.readahead.readers import SocketReader
 from asynccache.store.api import NOT_READ
 from asynccache.store.redis.cluster import RedisClusterClient
-from asynccache.store.redis.cluster_reads import BlockingClusterConnection
+from asynccache.store.redis.cluster_consumer import BlockingClusterConnection
 from asynccache.testing import servers
 
 pytestmark = pytest.mark.anyio

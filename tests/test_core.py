@@ -166,7 +166,8 @@ async def test_foreign_bytes_are_a_counted_miss(
 async def test_write_behind_flush(client: ac.BaseClient, namespace: str) -> None:
     async with ac.AsyncKVCache(client, namespace=namespace) as cache:
         writer = cache.writer
-        writer.write_behind(writer.encode_entries({cache.key(i): i for i in range(500)}))
+        writer.write_later(writer.encode_values({cache.key(i): i for i in range(500)}))
+        writer.start()  # in the cache's loop, as a pipe's loop thread starts it
         await cache.flush()
         assert len(await cache.get_many(range(500))) == 500
 
@@ -174,7 +175,8 @@ async def test_write_behind_flush(client: ac.BaseClient, namespace: str) -> None
 async def test_write_behind_queue_is_bounded(namespace: str) -> None:
     cache = ac.AsyncKVCache(ac.MemoryClient(name=namespace), namespace=namespace,
                             max_pending_writes=100)
-    cache.writer.write_behind(cache.writer.encode_entries({cache.key(i): i for i in range(300)}))
+    cache.writer.write_later(cache.writer.encode_values({cache.key(i): i for i in range(300)}))
+    cache.writer.start()
     await cache.flush()
     assert cache.stats()["writes_dropped"] == 200
     assert len(await cache.get_many(range(300))) == 100

@@ -95,12 +95,12 @@ def test_past_the_budget_kept_values_are_forgotten_and_counted() -> None:
     for key, blob in blobs.items():
         queue.put({key: blob}, {key: blob})
     # 3 dropped from the queue (oldest first), 2 of them fit in 250 bytes
-    queued, _again, kept = queue.recall(list(blobs))
+    queued, _again, kept = queue.own_writes(list(blobs))
     assert set(queued) == {b"k3", b"k4"} and set(kept) == {b"k1", b"k2"}
     assert queue.take_forgotten() == 1 and queue.kept_bytes == 200
     # a new write of a kept key replaces it: the new value is the one recalled
     queue.put({b"k1": b"new"}, {b"k1": b"new"})
-    assert queue.recall([b"k1"])[0] == {b"k1": b"new"}
+    assert queue.own_writes([b"k1"])[0] == {b"k1": b"new"}
 
 
 def test_a_failed_batch_is_kept_and_expires_with_the_ttl() -> None:
@@ -109,13 +109,13 @@ def test_a_failed_batch_is_kept_and_expires_with_the_ttl() -> None:
     batch = queue.take(10)
     assert batch is not None
     queue.done(batch, written=False)
-    assert queue.recall([b"a"]) == ({}, [b"a"], {})  # ttl 0: expired in the store too
+    assert queue.own_writes([b"a"]) == ({}, [b"a"], {})  # ttl 0: expired in the store too
     kept = WriteQueue(max_pending=10)
     kept.put({b"a": b"1"}, {b"a": b"1"})
     batch = kept.take(10)
     assert batch is not None
     kept.done(batch, written=False)
-    assert kept.recall([b"a"])[2] == {b"a": b"1"}  # kept: the caller writes it again
+    assert kept.own_writes([b"a"])[2] == {b"a": b"1"}  # kept: the caller writes it again
 
 
 def test_a_close_that_runs_out_of_time_says_what_it_dropped(

@@ -17,7 +17,7 @@ import pytest
 import redis
 
 import asynccache as ac
-from asynccache.store.redis.reads import BlockingRespConnection
+from asynccache.store.redis.consumer import BlockingRespConnection
 from asynccache.testing import servers
 from asynccache.testing.proxy import FaultProxy, url_through
 

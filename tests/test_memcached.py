@@ -27,7 +27,7 @@ from asynccache.store.memcached.client import (
     safe_memcached_key,
 )
 from asynccache.store.memcached.connection import MemcachedConnection, memcached_endpoint
-from asynccache.store.memcached.reads import BlockingMemcachedConnection
+from asynccache.store.memcached.consumer import BlockingMemcachedConnection
 from asynccache.store.protocol.memcache import (
     DELETED,
     NOT_FOUND,

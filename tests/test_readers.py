@@ -16,7 +16,7 @@ from asynccache.cache.keys import Keyspace
 from asynccache.cache.settings import CacheSettings
 from asynccache.readahead.readers import SocketReader, Ticket
 from asynccache.readahead.runtime import ProcessRuntime
-from asynccache.store.redis.reads import BlockingRespConnection
+from asynccache.store.redis.consumer import BlockingRespConnection
 from asynccache.testing import servers
 
 

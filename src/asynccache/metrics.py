@@ -32,6 +32,6 @@ password masked; objects with the same labels are summed):
 
 from __future__ import annotations
 
-from .observe.metrics import CacheCollector, SummaryLogger, log_summary, register, summary_line
+from .observe.prometheus import CacheCollector, SummaryLogger, log_summary, register, summary_line
 
 __all__ = ["CacheCollector", "SummaryLogger", "log_summary", "register", "summary_line"]

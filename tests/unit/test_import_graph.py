@@ -11,16 +11,6 @@ import asynccache
 
 ROOT = Path(asynccache.__file__).parent
 
-#: Circles still standing, each to be taken apart by a later slice of issue 42 (a cluster
-#: node object; the demo's two files). Listed so that a new circle fails, and so that this
-#: list must shrink when one goes.
-KNOWN_CIRCLES = {
-    frozenset({"asynccache.cli.demo", "asynccache.cli.demo_epochs"}),
-    frozenset({"asynccache.store.redis.cluster", "asynccache.store.redis.cluster_calls",
-               "asynccache.store.redis.cluster_reads"}),
-}
-
-
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
@@ -108,10 +98,8 @@ def test_the_graph_sees_imports_under_type_checking() -> None:
     assert "asynccache.cache.parts" in edges["asynccache.cache.reads"]
 
 
-def test_no_import_circles_but_the_known_ones() -> None:
-    found = set(circles(graph()))
-    assert found - KNOWN_CIRCLES == set(), "a new import circle"
-    assert KNOWN_CIRCLES - found == set(), "a circle is gone: take it off KNOWN_CIRCLES"
+def test_no_import_circles() -> None:
+    assert circles(graph()) == []
 
 
 def test_the_cache_mechanisms_do_not_import_the_cache() -> None:

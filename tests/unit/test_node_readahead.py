@@ -17,7 +17,7 @@ from torchdata.nodes import IterableWrapper
 
 import asynccache as ac
 from asynccache.cache.markers import MISSING
-from asynccache.readahead.nodes import CachedMapper, NodeRuntime
+from asynccache.readahead.mapper import CachedMapper, NodeRuntime
 from asynccache.readahead.readers import Reader, Ticket
 from asynccache.readahead.window import WINDOW_GROWTH
 from asynccache.store.api import NOT_READ

@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 
 import asynccache as ac
-from asynccache.store.memcached.reads import BlockingMemcachedConnection
+from asynccache.store.memcached.consumer import BlockingMemcachedConnection
 from asynccache.store.protocol.resp import pack_mget
+from asynccache.store.redis.consumer import BlockingRespConnection
 from asynccache.store.redis.endpoint import RedisEndpoint
-from asynccache.store.redis.reads import BlockingRespConnection
 from asynccache.store.transport.endpoint import Endpoint
 from asynccache.store.transport.tls import TlsSettings
 

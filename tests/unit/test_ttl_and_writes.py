@@ -33,20 +33,20 @@ def test_queued_values_are_recalled_until_acknowledged_then_read_again() -> None
     wake, dropped = q.put({b"k1": b"v1"}, {b"k1": b"v1"})
     assert (wake, dropped) == (True, 0)
     assert q.put({b"k2": b"v2"}, {b"k2": b"v2"}) == (False, 0)  # a writer is at work
-    assert q.recall([b"k1", b"k2", b"k3"]) == ({b"k1": b"v1", b"k2": b"v2"}, [], {})
+    assert q.own_writes([b"k1", b"k2", b"k3"]) == ({b"k1": b"v1", b"k2": b"v2"}, [], {})
     batch = q.take(1)
     assert batch is not None and batch.entries == {b"k1": b"v1"}
-    assert q.recall([b"k1"]) == ({b"k1": b"v1"}, [], {})  # in flight: still ours to hand out
+    assert q.own_writes([b"k1"]) == ({b"k1": b"v1"}, [], {})  # in flight: still ours to hand out
     q.done(batch)
     # acknowledged: the store has it, and its bytes are kept a while (within the budget),
     # so a miss read before the write landed needs no second store read
-    assert q.recall([b"k1"]) == ({b"k1": b"v1"}, [], {})
+    assert q.own_writes([b"k1"]) == ({b"k1": b"v1"}, [], {})
     past_budget = WriteQueue(max_pending=100, keep_bytes=0)
     past_budget.put({b"k1": b"v1"}, {b"k1": b"v1"})
     acked = past_budget.take(1)
     assert acked is not None
     past_budget.done(acked)
-    assert past_budget.recall([b"k1"]) == ({}, [b"k1"], {})  # read again from the store
+    assert past_budget.own_writes([b"k1"]) == ({}, [b"k1"], {})  # read again from the store
     assert past_budget.take_forgotten() == 0  # a written value forgotten costs nothing
     rest = q.take(10)
     assert rest is not None and list(rest.entries) == [b"k2"]
@@ -62,7 +62,7 @@ def test_chunks_are_written_before_the_manifest_that_completes_the_value() -> No
     first = q.take(2)
     assert first is not None and list(first.entries) == [b"c0", b"c1"] and not first.values
     q.done(first)
-    assert q.recall([b"k"]) == ({b"k": b"whole"}, [], {})  # its manifest is not written yet
+    assert q.own_writes([b"k"]) == ({b"k": b"whole"}, [], {})  # its manifest is not written yet
     last = q.take(2)
     assert last is not None and last.values == {b"k": b"whole"}
 
@@ -74,7 +74,7 @@ def test_a_value_queued_again_while_in_flight_stays_recallable() -> None:
     assert batch is not None
     q.put({b"k": b"new"}, {b"k": b"new"})
     q.done(batch)  # the old write landed; the new one is queued
-    assert q.recall([b"k"]) == ({b"k": b"new"}, [], {})
+    assert q.own_writes([b"k"]) == ({b"k": b"new"}, [], {})
 
 
 def test_overflow_drops_the_oldest_and_forgets_their_values() -> None:
@@ -82,7 +82,7 @@ def test_overflow_drops_the_oldest_and_forgets_their_values() -> None:
     for i in range(5):
         _wake, dropped = q.put({b"k%d" % i: b"v"}, {b"k%d" % i: b"v"})
     assert dropped == 1 and len(q) == 3
-    assert q.recall([b"k0", b"k1", b"k4"])[0] == {b"k4": b"v"}
+    assert q.own_writes([b"k0", b"k1", b"k4"])[0] == {b"k4": b"v"}
 
 
 def test_recently_acknowledged_keys_are_bounded() -> None:
@@ -92,7 +92,7 @@ def test_recently_acknowledged_keys_are_bounded() -> None:
     batch = q.take(10)
     assert batch is not None
     q.done(batch)
-    assert q.recall([b"k0", b"k1", b"k2", b"k3"]) == ({}, [b"k2", b"k3"], {})
+    assert q.own_writes([b"k0", b"k1", b"k2", b"k3"]) == ({}, [b"k2", b"k3"], {})
 
 
 def test_threads_queue_while_a_writer_drains() -> None:
@@ -115,7 +115,7 @@ def test_threads_queue_while_a_writer_drains() -> None:
         q.done(batch)
     for t in threads:
         t.join()
-    assert written == 8000 and q.unacknowledged == 0
+    assert written == 8000 and not q._unacked  # every value acknowledged
 
 
 def test_queueing_nothing_leaves_the_next_write_to_wake_a_writer() -> None:
@@ -143,7 +143,7 @@ def test_values_the_store_lacks_are_handed_out_to_write_again_until_written() ->
     assert again is not None
     q.done(again, written=True)
     assert q.unstored_values == 1 and q.unstored(10, 1 << 20) == {b"c": b"c" * 10}
-    assert q.recall([b"a"])[0] == {b"a": b"a" * 10}  # acknowledged lately: from memory
+    assert q.own_writes([b"a"])[0] == {b"a": b"a" * 10}  # acknowledged lately: from memory
 
 
 def test_acknowledged_values_leave_the_record_and_lost_ones_are_written_again() -> None:
@@ -152,13 +152,13 @@ def test_acknowledged_values_leave_the_record_and_lost_ones_are_written_again() 
     batch = q.take(10)
     assert batch is not None
     q.done(batch)
-    assert q.recall([b"k"]) == ({b"k": b"v" * 100}, [], {})  # a read older than the write
+    assert q.own_writes([b"k"]) == ({b"k": b"v" * 100}, [], {})  # a read older than the write
     time.sleep(0.1)
     # missed well after it was acknowledged: the store lost it, so the caller writes it
-    assert q.recall([b"k"]) == ({}, [], {b"k": b"v" * 100})
+    assert q.own_writes([b"k"]) == ({}, [], {b"k": b"v" * 100})
     time.sleep(0.15)
     assert q.kept_bytes == 0  # the memory is given back ...
-    assert q.recall([b"k"]) == ({}, [b"k"], {})  # ... and the store is asked again
+    assert q.own_writes([b"k"]) == ({}, [b"k"], {})  # ... and the store is asked again
 
 
 def test_an_invalidated_key_is_not_recalled_from_the_record() -> None:
@@ -168,7 +168,7 @@ def test_an_invalidated_key_is_not_recalled_from_the_record() -> None:
     assert batch is not None
     q.done(batch, written=False)
     q.discard([b"k"])
-    assert q.recall([b"k"]) == ({}, [], {}) and q.kept_bytes == 0
+    assert q.own_writes([b"k"]) == ({}, [], {}) and q.kept_bytes == 0
 
 
 def test_a_writer_asked_for_and_never_started_is_asked_for_again() -> None:

@@ -198,7 +198,7 @@ def _in_process_cases(url: str, namespace: str, n: int, reps: int) -> dict[str, 
         SamplerWrapper,
     )
 
-    from ..readahead.nodes import CachedMapper
+    from ..readahead.mapper import CachedMapper
 
     ds = _Items(n, COMPUTE_S)
     client = ac.connect(url)

@@ -13,7 +13,7 @@ from ..errors import CacheError
 from ..observe.stats import Counters
 from .markers import MISSING, Failed
 
-__all__ = ["Coalescer", "Computed", "Shared"]
+__all__ = ["Coalescer", "Computed", "SharedComputation"]
 
 #: ``read(store_keys)``: a value (or ``MISSING`` / `Failed`) per key
 Read = Callable[[Sequence[bytes]], Awaitable[list[Any]]]
@@ -100,7 +100,7 @@ class Computed(NamedTuple):
 Decode = Callable[[bytes, bytes], Any]
 
 
-class Shared:
+class SharedComputation:
     """One computation that several callers await: the first caller to take its result
     gets the object, every other one an object decoded from the bytes made when it ended.
 

@@ -21,7 +21,7 @@ from ..observe.histogram import Histograms, Latency
 from ..observe.stats import Counters, with_hit_rate
 from ..store.api import BaseClient, NodeName
 from . import decorator
-from .coalesce import Computed, Shared
+from .coalesce import Computed, SharedComputation
 from .codec import Codec
 from .expiry import check_ttl
 from .health import FailurePolicy, OnError
@@ -277,7 +277,7 @@ class AsyncKVCache:
             if shared is None:
                 task: asyncio.Task[Computed] = here.loop.create_task(
                     self._compute_and_store(store_key, compute, ttl, condition))
-                shared = here.computing[store_key] = Shared(task, store_key)
+                shared = here.computing[store_key] = SharedComputation(task, store_key)
                 task.add_done_callback(functools.partial(here.done, store_key, shared))
         return await shared.result(self.codec.decode)
 

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ..errors import ConfigError, MethodKeyError
-from .coalesce import Computed, Shared
+from .coalesce import Computed, SharedComputation
 from .expiry import check_ttl
 from .keys import call_store_key, encode_arg, type_name
 from .markers import MISSING, Failed
@@ -337,7 +337,7 @@ def cached_many(cache: DecoratedCache, fn: Any, ttl: Any, key: Callable[..., Any
 def _compute_batch(cache: DecoratedCache, here: LoopState, fn: Any, args: tuple[Any, ...],
                    kwargs: dict[str, Any], ids_at: int, missing: list[Any],
                    store_keys: dict[Any, bytes], ttl: float | None,
-                   joined: dict[Any, Shared]) -> None:
+                   joined: dict[Any, SharedComputation]) -> None:
     """Start one computation of ``fn`` for the ``missing`` ids and register it as each id's
     computation (concurrent calls join it per id)."""
     wanted = {store_keys[i]: i for i in missing}
@@ -361,5 +361,5 @@ def _compute_batch(cache: DecoratedCache, here: LoopState, fn: Any, args: tuple[
     task = here.loop.create_task(compute())
     for i in missing:
         sk = store_keys[i]
-        shared = here.computing[sk] = joined[i] = Shared(task, sk, batch=True)
+        shared = here.computing[sk] = joined[i] = SharedComputation(task, sk, batch=True)
         task.add_done_callback(functools.partial(here.done, sk, shared))

@@ -65,10 +65,6 @@ class FailurePolicy:
             ends = [until for until in self._until.values() if until > now]
         return min(ends) - now if ends else None
 
-    def is_down(self, node: NodeName) -> bool:
-        until = self._until.get(node)
-        return until is not None and not self.strict and time.monotonic() < until
-
     # -- telling ----------------------------------------------------------------------
     def failed(self, node: NodeName, operation: str, exc: CacheError) -> None:
         """A request to ``node`` failed: count it, back the node off, log it once."""

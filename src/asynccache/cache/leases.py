@@ -124,7 +124,7 @@ class Leases:
         theirs = [k for k, ok in zip(store_keys, taken) if not ok]
         if not got:
             return {}, [], theirs
-        values, _error = await self.reads.values(got, second_look=True)  # trouble: what was read
+        values, _error = await self.reads.values(got, reread=True)  # trouble: what was read
         found = {k: v for k, v in zip(got, values) if is_value(v)}
         counters = parts.counters.shard()
         if not found:
@@ -189,7 +189,7 @@ class Leases:
         pending = list(store_keys)
         delay, longest = LEASE_POLL
         while pending:
-            values, error = await self.reads.values(pending, second_look=True)
+            values, error = await self.reads.values(pending, reread=True)
             still = []
             for key, value in zip(pending, values):
                 if is_value(value):

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
 from ..observe.stats import Counters
-from .coalesce import Coalescer, CopyOf, Read, Shared
+from .coalesce import Coalescer, CopyOf, Read, SharedComputation
 
 __all__ = ["FINISHED_MAX", "LoopState", "Loops"]
 
@@ -35,11 +35,11 @@ class LoopState:
         #: the write-behind task draining the cache's queue, while one is at work
         self.writer: asyncio.Task[None] | None = None
         #: computations in flight, by store key (concurrent callers join them)
-        self.computing: dict[bytes, Shared] = {}
+        self.computing: dict[bytes, SharedComputation] = {}
         #: computations finished while a read of `AsyncKVCache.compute_once()` was in
         #: flight, by key: (their number in ``finishes``, the computation); cleared when no
         #: such read is left, and bounded by FINISHED_MAX
-        self.finished: collections.OrderedDict[bytes, tuple[int, Shared]] = (
+        self.finished: collections.OrderedDict[bytes, tuple[int, SharedComputation]] = (
             collections.OrderedDict())
         self.finishes = 0
         #: reads in flight that may miss a computation's write (see ``finished``)
@@ -47,7 +47,7 @@ class LoopState:
         #: the ``get()`` calls of this loop tick, read together
         self.gets = Coalescer(loop, read, copy_of, counters, self.spawn)
 
-    def done(self, store_key: bytes, shared: Shared, task: asyncio.Task[Any]) -> None:
+    def done(self, store_key: bytes, shared: SharedComputation, task: asyncio.Task[Any]) -> None:
         """A computation ended: no longer joined, but kept for the reads that were in
         flight meanwhile (see `AsyncKVCache.compute_once()`)."""
         if self.computing.get(store_key) is shared:
@@ -60,7 +60,7 @@ class LoopState:
             if len(finished) > FINISHED_MAX:
                 finished.popitem(last=False)
 
-    def finished_since(self, store_key: bytes, mark: int) -> Shared | None:
+    def finished_since(self, store_key: bytes, mark: int) -> SharedComputation | None:
         """The computation of ``store_key`` that finished after ``mark``, if one did."""
         entry = self.finished.get(store_key)
         return entry[1] if entry is not None and entry[0] > mark else None

@@ -41,9 +41,9 @@ class CachePort:
     process, use it; its async parts run in ``loop``.
 
     Reading: `decode()` a reply read on the consumer's own sockets, `assemble()` chunked
-    values, `read()` in the loop, `from_l1()`, `copy_of()`, `recall()` a miss this
+    values, `read()` in the loop, `from_l1()`, `copy_of()`, `read_own_writes()` for a miss this
     process wrote. Computing and writing: `compute()` (leases inside), `encode()`,
-    `queue_writes()`, `settle()`, `flush()`, `finish()`. Counting: `counters`,
+    `queue_writes()`, `wait_for_writes()`, `flush()`, `finish()`. Counting: `counters`,
     `histograms`, `policy`, `count()`, `counts()`, `latency()`."""
 
     def __init__(self, loop: LoopThread, settings: CacheSettings) -> None:
@@ -60,7 +60,7 @@ class CachePort:
         #: an in-process tier sits in front of the store (a reader asks it first)
         self.has_l1 = parts.l1 is not None
         #: a batch's writes were queued with visible="next" and not waited for yet
-        self.unsettled = False
+        self.writes_pending = False
 
     # -- reading -----------------------------------------------------------------------
     def decode(self, store_keys: Sequence[bytes], blobs: Sequence[Any], owned: bool = False
@@ -110,7 +110,7 @@ class CachePort:
 
         * ``"queued"`` -- whenever the writer gets to them (``flush()`` waits);
         * ``"now"`` -- before this call returns (about one round trip);
-        * ``"next"`` -- before the *next* batch returns (see `settle()`): a batch's
+        * ``"next"`` -- before the *next* batch returns (see `wait_for_writes()`): a batch's
           writes go out while the worker computes the next one, instead of the worker
           waiting for them. The batch that ends a worker's planned epoch uses ``"now"``,
           so that every value written in epoch 1 is there for every worker in epoch 2,
@@ -120,9 +120,9 @@ class CachePort:
         `AsyncKVCache`).
 
         Read your writes: a key this process wrote lately is not computed again (see
-        `recall()`); every value returned is an object of its own.
+        `read_own_writes()`); every value returned is an object of its own.
         """
-        found = self.recall(wanted)
+        found = self.read_own_writes(wanted)
         if found:
             wanted = {key: item for key, item in wanted.items() if key not in found}
         if self.lease is not None:
@@ -134,20 +134,20 @@ class CachePort:
         blobs = self.encode(computed)
         computed.update(found)
         if visible == "next":
-            self.settle()  # the previous batch's writes: long done by now, normally
+            self.wait_for_writes()  # the previous batch's writes: long done by now, normally
             self.queue_writes(blobs)
-            self.unsettled = True
+            self.writes_pending = True
             return computed
         self.queue_writes(blobs)
         if visible == "now":
-            self.settle(force=True)
+            self.wait_for_writes(force=True)
         return computed
 
-    def recall(self, keys: Iterable[bytes]) -> dict[bytes, Any]:
+    def read_own_writes(self, keys: Iterable[bytes]) -> dict[bytes, Any]:
         """Values of keys that missed but that this process wrote lately: from the write
         queue while the store has not acknowledged them (decoded afresh), else read again
         from the store (a read-ahead miss may predate the write). Only misses ask."""
-        found, again, kept = self.writer.recall(list(keys))
+        found, again, kept = self.writer.own_writes(list(keys))
         recalled = len(found)  # answered from this process's record
         if kept:  # values the store never took (dropped, failed): it gets them again now
             self.queue_writes(kept)
@@ -155,11 +155,10 @@ class CachePort:
             try:
                 # a second look: damaged bytes were counted by the read that missed
                 values, _error = self.loop.call(
-                    self.reads.values(again, second_look=True), self.client.timeout * 2 + 1)
+                    self.reads.values(again, reread=True), self.client.timeout * 2 + 1)
             except (concurrent.futures.TimeoutError, CacheError):
                 values = []
-            reread = {key: value for key, value in zip(again, values) if is_value(value)}
-            found.update(reread)
+            found.update({key: value for key, value in zip(again, values) if is_value(value)})
         if found:  # counted as misses by the read: each is what it was instead
             counters = self.counters.shard()
             counters["recalled"] += recalled
@@ -167,11 +166,11 @@ class CachePort:
             counters["misses"] -= len(found)
         return found
 
-    def settle(self, force: bool = False) -> None:
+    def wait_for_writes(self, force: bool = False) -> None:
         """Wait for the writes of batches written with ``visible="next"`` (``force``:
         for everything queued); bounded, never raises."""
-        if force or self.unsettled:
-            self.unsettled = False
+        if force or self.writes_pending:
+            self.writes_pending = False
             self.flush(timeout=max(self.client.timeout * 2, 1.0))
 
     def _compute_once(self, wanted: Mapping[bytes, Any],

@@ -67,13 +67,13 @@ class ReadPath:
         return result.values, error
 
     def decode(self, store_keys: Sequence[bytes], blobs: Sequence[Any],
-               second_look: bool = False, owned: bool = False
+               reread: bool = False, owned: bool = False
                ) -> tuple[list[Any], dict[int, ChunkManifest], int, int]:
         """Decode one multi-get reply: a value per key (``MISSING`` for absent or unusable
         bytes, ``NOT_READ`` passed through, `Failed` in raise mode), the chunk manifests
         still to resolve, the bytes the reply carried and its largest value's (what
         read-ahead sizes its window by: the mean, and the largest for the memory
-        budget). No I/O: any thread may call it. ``second_look``: keys this process
+        budget). No I/O: any thread may call it. ``reread``: keys this process
         read a moment ago (see `Leases.claim()`); bytes that fail to decode were counted and
         logged then, and are a plain ``MISSING`` now. ``owned``: blobs that are not
         ``bytes`` are memory of their own (`ConsumerConnection.owns_buffers`), decoded
@@ -114,7 +114,7 @@ class ReadPath:
             try:
                 value = decode(blob, store_keys[i], mine)
             except DecodeError as exc:
-                out[i] = MISSING if second_look else self.decode_failed(store_keys[i], exc)
+                out[i] = MISSING if reread else self.decode_failed(store_keys[i], exc)
                 continue
             if type(value) is ChunkManifest:
                 manifests[i] = value  # MISSING until its chunks are read
@@ -160,11 +160,11 @@ class ReadPath:
 
     async def values(self, store_keys: Sequence[bytes],
                      sizes: list[tuple[int, int]] | None = None,
-                     second_look: bool = False) -> tuple[list[Any], StoreError | None]:
+                     reread: bool = False) -> tuple[list[Any], StoreError | None]:
         """Decoded values (or markers) and the first store failure: the whole read path
         of the loop thread; never raises for the store. Keys the L1 tier holds are not
         asked for. ``sizes`` gets the bytes the store's reply carried and its largest
-        value's appended (read-ahead sizes its requests by them). ``second_look``: see
+        value's appended (read-ahead sizes its requests by them). ``reread``: see
         `decode()`."""
         if self.parts.l1 is not None:
             values, missing = self.from_l1(store_keys)
@@ -172,34 +172,34 @@ class ReadPath:
                 return values, None
             if len(missing) < len(store_keys):
                 asked = [store_keys[i] for i in missing]
-                found, error = await self.from_store(asked, sizes, second_look)
+                found, error = await self.from_store(asked, sizes, reread)
                 for i, value in zip(missing, found):
                     values[i] = value
                 return values, error
-        return await self.from_store(store_keys, sizes, second_look)
+        return await self.from_store(store_keys, sizes, reread)
 
     async def from_store(self, store_keys: Sequence[bytes],
                          sizes: list[tuple[int, int]] | None = None,
-                         second_look: bool = False) -> tuple[list[Any], StoreError | None]:
+                         reread: bool = False) -> tuple[list[Any], StoreError | None]:
         blobs, error = await self.blobs(store_keys)
         values, manifests, nbytes, largest = self.decode(
-            store_keys, blobs, second_look, self.parts.client.reads_own_buffers)
+            store_keys, blobs, reread, self.parts.client.reads_own_buffers)
         if sizes is not None:
             sizes.append((nbytes, largest))
         if manifests:
-            await self.resolve_chunks(store_keys, manifests, values, second_look)
+            await self.resolve_chunks(store_keys, manifests, values, reread)
         return values, error
 
     async def resolve_chunks(self, store_keys: Sequence[bytes],
                              manifests: dict[int, ChunkManifest], out: list[Any],
-                             second_look: bool = False) -> None:
+                             reread: bool = False) -> None:
         """Replace ``out[i]`` by the joined value of each manifest (one request for all
         chunks; a missing or damaged chunk leaves the miss in place)."""
         blobs, _error = await self.blobs(chunks.chunk_keys_of(store_keys, manifests))
-        self.assemble(store_keys, manifests, out, blobs, second_look)
+        self.assemble(store_keys, manifests, out, blobs, reread)
 
     def assemble(self, store_keys: Sequence[bytes], manifests: Mapping[int, ChunkManifest],
-                 out: list[Any], blobs: Sequence[Any], second_look: bool = False) -> None:
+                 out: list[Any], blobs: Sequence[Any], reread: bool = False) -> None:
         """`resolve_chunks` once the chunks were read (``blobs``, in
         `chunks.chunk_keys_of`'s order), by whichever path read them: no I/O."""
         parts = self.parts
@@ -215,7 +215,7 @@ class ReadPath:
                 joined = join_chunks(pieces, manifest, owned=not keep)
                 out[i] = decode(joined, store_keys[i], owned=not keep)
             except DecodeError as exc:
-                out[i] = MISSING if second_look else self.decode_failed(store_keys[i], exc)
+                out[i] = MISSING if reread else self.decode_failed(store_keys[i], exc)
                 continue
             if l1 is not None:
                 l1.put(store_keys[i], bytes(joined))

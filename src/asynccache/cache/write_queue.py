@@ -5,7 +5,7 @@ them in batches (`WriteQueue.take()`), writes them and reports each batch done
 (`WriteQueue.done()`). There is no second queue in front of this one.
 
 Read your writes. Until the store acknowledged a value, the queue holds its bytes:
-a read that misses a key this process wrote asks `WriteQueue.recall()`, and gets
+a read that misses a key this process wrote asks `WriteQueue.own_writes()`, and gets
 those bytes (decoded afresh by the caller: an object of its own) instead of computing
 the value again. A read sent before a write landed may come back a miss after the
 write was acknowledged; the queue remembers the keys acknowledged lately (their bytes
@@ -256,7 +256,7 @@ class WriteQueue:
         return found
 
     # -- readers: any thread, on a miss -------------------------------------------------
-    def recall(self, keys: Iterable[bytes]
+    def own_writes(self, keys: Iterable[bytes]
                ) -> tuple[dict[bytes, bytes], list[bytes], dict[bytes, bytes]]:
         """For keys that missed: the blobs of those this process wrote and the store has
         not acknowledged, the keys acknowledged lately (read them again), and the blobs
@@ -305,20 +305,5 @@ class WriteQueue:
                 self._recent.pop(key, None)
                 self._unkeep(key)
 
-    def forget(self) -> int:
-        """Drop everything queued (the loop is gone); how many entries were dropped."""
-        with self._lock:
-            n = len(self._queued)
-            self._queued.clear()
-            self._values.clear()
-            self._unacked.clear()
-            self._active = False
-        return n
-
     def __len__(self) -> int:
         return len(self._queued)
-
-    @property
-    def unacknowledged(self) -> int:
-        """Values queued or in flight."""
-        return len(self._unacked)

@@ -139,7 +139,7 @@ class Writer:
     def write_later(self, blobs: Mapping[bytes, bytes]) -> bool:
         """Queue encoded values (``{store key: blob}``) for write-behind, from any thread.
 
-        Until the store acknowledges them, `recall()` hands them back. True when
+        Until the store acknowledges them, `own_writes()` hands them back. True when
         the loop's writer must be started: call `start()` in the cache's loop
         (``loop.call_soon_threadsafe`` from another thread)."""
         parts = self.parts
@@ -154,12 +154,6 @@ class Writer:
         forgotten = self.parts.writes.take_forgotten()
         if forgotten:
             self.parts.counters.shard()["writes_forgotten"] += forgotten
-
-    def write_behind(self, blobs: Mapping[bytes, bytes]) -> None:
-        """`write_later()` from the cache's own loop. `flush()` waits until
-        everything queued so far is written."""
-        self.write_later(blobs)
-        self.start()
 
     def start(self) -> None:
         """Start this loop's writer if entries are queued (or the record is to be written
@@ -264,7 +258,7 @@ class Writer:
             await asyncio.shield(here.writer)
             self.start()  # queued meanwhile by another thread
 
-    def recall(self, store_keys: Sequence[bytes]
+    def own_writes(self, store_keys: Sequence[bytes]
                ) -> tuple[dict[bytes, Any], list[bytes], dict[bytes, bytes]]:
         """For keys that missed: values this process wrote and the store has not
         acknowledged or never took (decoded afresh: an object of their own), the keys
@@ -273,7 +267,7 @@ class Writer:
         (`write_later()`), so that a store back from an outage gets them. Any thread;
         only misses ask. Counting the reads is the caller's (it knows what they were)."""
         parts = self.parts
-        blobs, again, kept = parts.writes.recall(store_keys)
+        blobs, again, kept = parts.writes.own_writes(store_keys)
         found: dict[bytes, Any] = {}
         decode = parts.codec.decode
         for key, blob in itertools.chain(blobs.items(), kept.items()):

@@ -108,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
                   enabled=not args.no_progress) as progress:
         from . import demo_epochs  # torch, numpy, psutil: the demo extra
 
-        document, report = demo_epochs.run_demo(args, items, progress)
+        ttl = args.ttl if args.ttl is not None else (URL_TTL if args.url else None)
+        document, report = demo_epochs.run_demo(args, items, progress, ttl)
     document = {"ok": document["data_ok"], **document}
     if args.out is not None:
         args.out.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")

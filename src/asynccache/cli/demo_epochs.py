@@ -48,7 +48,6 @@ from torch.utils.data import DataLoader, Dataset
 from ..readahead.datapipe import AsyncKVCacheMapDataPipe
 from ..store.connect import connect
 from ..testing import servers
-from .demo import URL_TTL
 from .progress import Progress
 
 __all__ = ["InMemoryCache", "SyntheticImages", "decode", "run_demo"]
@@ -366,10 +365,11 @@ def _store_usage(server: servers.RedisServer | None) -> str:
 
 
 def run_demo(
-    args: argparse.Namespace, items: int, progress: Progress
+    args: argparse.Namespace, items: int, progress: Progress, ttl: float | None
 ) -> tuple[dict[str, Any], str]:
-    """The demo: (the JSON document, the report as text). Lines about what it is doing
-    go out as it goes, through ``progress`` (stderr with ``--json``, else stdout)."""
+    """The demo: (the JSON document, the report as text), its values written with
+    ``ttl``. Lines about what it is doing go out as it goes, through ``progress``
+    (stderr with ``--json``, else stdout)."""
     out = sys.stderr if args.json else sys.stdout
 
     def say(line: str) -> None:
@@ -401,7 +401,6 @@ def run_demo(
         )
         say(f"store: {description}")
         namespace = f"demo-{uuid.uuid4().hex[:12]}"
-        ttl = args.ttl if args.ttl is not None else (URL_TTL if args.url else None)
         cached = AsyncKVCacheMapDataPipe(
             source, client, prefetch=args.prefetch, namespace=namespace, ttl=ttl
         )

@@ -22,7 +22,7 @@ from ..observe.catalog import CACHE_COUNTERS
 from ..store.api import BaseClient
 from . import order as orders
 from .prefetch import Prefetcher
-from .runtime import ProcessRuntime, Reports, deep_copy_as_new
+from .runtime import JobStats, ProcessRuntime, deep_copy_as_new
 from .window import Budget, readahead_budget
 
 logger = logging.getLogger("asynccache")
@@ -252,7 +252,7 @@ class AsyncKVCacheMapDataPipe(_Base):
         self.readahead_bytes = budget
         self._mapping = orders.mapping_behind(source)
         self._take_order(order)
-        self._reports = Reports(secrets.token_hex(8), self.namespace)
+        self._reports = JobStats(secrets.token_hex(8), self.namespace)
         self._reports.bind(self)
         self._rt: PipeRuntime | None = None
         #: this process's final counters once close() ran (then any read is an error)
@@ -479,7 +479,7 @@ class AsyncKVCacheMapDataPipe(_Base):
             computed = self._compute(missing, rt, visible=visible)
             values = [computed[i] if v is MISSING else v for i, v in zip(indices, values)]
         else:
-            rt.port.settle()
+            rt.port.wait_for_writes()
         if len(set(indices)) < len(indices):
             values = self._own_objects(indices, values, rt)
         if orders.worker_info() is not None:  # counted where the loop looks, before it gets them
@@ -501,7 +501,7 @@ class AsyncKVCacheMapDataPipe(_Base):
 
     def _compute(self, indices: list[Any], rt: PipeRuntime,
                  visible: str = "queued") -> dict[Any, Any]:
-        """Compute misses in this thread and write them back (see ProcessRuntime.compute)."""
+        """Compute misses in this thread and write them back (see `CachePort.compute()`)."""
         wanted = {self.key_for(i): i for i in dict.fromkeys(indices)}
         computed = rt.port.compute(wanted, self.source.__getitem__, visible=visible)
         return {wanted[key]: value for key, value in computed.items()}

@@ -26,12 +26,12 @@ from ..observe.stats import with_hit_rate
 from ..store.loop import LoopThread, get_loop_thread
 from .readers import L1Reader, LoopReader, Reader, SocketReader
 
-__all__ = ["ProcessRuntime", "Reports", "deep_copy_as_new"]
+__all__ = ["JobStats", "ProcessRuntime", "deep_copy_as_new"]
 
 _Owner = TypeVar("_Owner")
 
 
-class Reports:
+class JobStats:
     """The stats board of one pipe or node, as seen from its owner (the process that
     built it) and from its copies (DataLoader workers), which publish to it."""
 
@@ -119,7 +119,7 @@ def deep_copy_as_new(owner: _Owner, memo: dict[int, Any]) -> _Owner:
     settings: CacheSettings = clone.settings  # type: ignore[attr-defined]
     clone.settings = dataclasses.replace(  # type: ignore[attr-defined]
         settings, keyspace=settings.keyspace.renewed())
-    reports = Reports(secrets.token_hex(8), clone.settings.keyspace.namespace)  # type: ignore[attr-defined]
+    reports = JobStats(secrets.token_hex(8), clone.settings.keyspace.namespace)  # type: ignore[attr-defined]
     clone._reports = reports  # type: ignore[attr-defined]
     reports.bind(clone)
     return clone
@@ -139,7 +139,7 @@ def _remove_if_owner(board: StatsBoard, generation: int) -> None:
 class ProcessRuntime:
     """Loop thread, cache and queued writes of one pipe or node in one process."""
 
-    def __init__(self, settings: CacheSettings, reports: Reports | None = None,
+    def __init__(self, settings: CacheSettings, reports: JobStats | None = None,
                  snapshot: Callable[[], dict[str, int]] | None = None) -> None:
         self.fork_generation = _fork.generation
         client = self.client = settings.client

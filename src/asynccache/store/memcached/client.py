@@ -47,7 +47,7 @@ from ..transport.endpoint import Endpoint
 from ..transport.tls import TlsSettings
 from .admin import metadump_keys, settings
 from .connection import MemcachedConnection, memcached_endpoint
-from .reads import BlockingMemcachedConnection
+from .consumer import BlockingMemcachedConnection
 
 __all__ = ["MemcachedClient", "MemcachedConnection", "rendezvous_owner", "safe_memcached_key"]
 

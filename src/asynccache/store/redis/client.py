@@ -44,8 +44,8 @@ from ..protocol.resp import (
 from ..transport.tls import TlsSettings
 from .admin import node_info, pack_exists, pack_strlen, scan_node, size_of
 from .connection import MgetConnection, RespConnection
+from .consumer import BlockingRespConnection
 from .endpoint import RedisEndpoint
-from .reads import BlockingRespConnection
 
 __all__ = ["RedisClient"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import hiredis
 import redis.exceptions as rexc
@@ -24,11 +24,9 @@ from ..protocol.resp import (
     pack_mget,
 )
 from .admin import size_of
-from .cluster_slots import ClusterState, Command, Target, key_slots
+from .cluster_map import ClusterMap
+from .cluster_slots import Command, Target, key_slots
 from .connection import Request, RespConnection
-
-if TYPE_CHECKING:
-    from .cluster import RedisClusterClient
 
 __all__ = ["Add", "Delete", "Exists", "Read", "Sizes", "Write"]
 
@@ -71,10 +69,8 @@ class _Call(ABC):
     into values or counts.
     """
 
-    def __init__(self, client: RedisClusterClient, state: ClusterState,
-                 skip: Collection[NodeName]) -> None:
-        self.client = client
-        self.state = state
+    def __init__(self, cmap: ClusterMap, skip: Collection[NodeName]) -> None:
+        self.cmap = cmap
         self.skip = skip
         self.failures: dict[NodeName, StoreError] = {}
         self.replied: dict[NodeName, None] = {}  # nodes that answered, in order
@@ -105,20 +101,20 @@ class _Call(ABC):
         if redirects:
             await self._follow(redirects)
         if self.refresh_soon:
-            self.client._refresh_soon(self.state)
+            self.cmap.refresh_soon()
 
     def _route(self, commands: Sequence[Command]
                ) -> dict[str, tuple[Target, list[Command]]]:
         """Commands grouped by the node owning their slot in the map (keyed by node name:
         a str hashes once, a ClusterNode in Python on every lookup); a slot no node
         serves fails its keys under the cluster's URL."""
-        owner_of = self.state.topology.nodes_manager.get_node_from_slot
+        owner_of = self.cmap.topology.nodes_manager.get_node_from_slot
         groups: dict[str, tuple[Target, list[Command]]] = {}
         for command in commands:
             try:
                 owner = owner_of(command.slot)
             except (rexc.SlotNotCoveredError, KeyError):  # redis-py 8 lets a KeyError out
-                url = self.client.safe_url
+                url = self.cmap.safe_url
                 self.fail(NodeName(url), StoreUnavailable(
                     f"slot {command.slot} of redis cluster {url} is served by no node"),
                     [command])
@@ -138,7 +134,7 @@ class _Call(ABC):
             again.setdefault(target, []).append(command)
         moved = any(not target.asking for target in again)
         await asyncio.gather(
-            *([self.client._refresh(self.state)] if moved else []),
+            *([self.cmap.refresh()] if moved else []),
             *(self._exchange(target, cmds, None) for target, cmds in again.items()))
 
     async def _exchange(self, target: Target, commands: list[Command],
@@ -149,7 +145,7 @@ class _Call(ABC):
         if node in self.skip:
             self.skipped += sum(len(c.positions) for c in commands)
             return
-        conn = self.client._connection(self.state, target)
+        conn = self.cmap.connection(target)
         if asking:
             requests: list[Request] = []
             for command in commands:
@@ -198,14 +194,14 @@ class Read(_Call):
     for a slot holding several keys of the batch), parsed in one pass; only the rare
     error replies become `Command`s, for the redirection and failure logic."""
 
-    def __init__(self, client: RedisClusterClient, state: ClusterState,
+    def __init__(self, cmap: ClusterMap,
                  skip: Collection[NodeName], n: int) -> None:
-        super().__init__(client, state, skip)
+        super().__init__(cmap, skip)
         self.values: list[Any] = [NOT_READ] * n
 
     async def read(self, keys: Sequence[bytes]) -> None:
         slots = key_slots(keys)
-        owners = self.state.view.owners
+        owners = self.cmap.view.owners
         groups: dict[NodeName | None, list[int]] = {}
         distinct = len(set(slots)) == len(slots)  # no slot with two keys (most batches)
         for position, node in enumerate([owners[slot] for slot in slots]):
@@ -216,14 +212,14 @@ class Read(_Call):
                 group.append(position)
         unserved = groups.pop(None, None)
         if unserved is not None:
-            url = self.client.safe_url
+            url = self.cmap.safe_url
             self.fail(NodeName(url), StoreUnavailable(
                 f"slot {slots[unserved[0]]} of redis cluster {url} is served by no node"),
                 len(unserved))
         # every node's request is written first, then the replies are awaited in turn:
         # the nodes work concurrently without a Task per node
         redirects: list[tuple[Command, Target]] = []
-        primaries = self.state.view.primaries
+        primaries = self.cmap.view.primaries
         sent: list[tuple[Target, list[int], list[Command] | None, RespConnection, Any]] = []
         for node, positions in groups.items():
             assert node is not None  # the unserved ones were popped above
@@ -234,7 +230,7 @@ class Read(_Call):
             target = Target(node, host, port)
             try:
                 commands, data, n = self._pack(keys, slots, positions, distinct)
-                conn = self.client._connection(self.state, target)
+                conn = self.cmap.connection(target)
                 exchange: Any = conn.send_now((data,), n)
                 if exchange is None:  # not connected yet: connect (and send) in a Task
                     exchange = asyncio.ensure_future(conn.execute_packed((data,), n))
@@ -263,7 +259,7 @@ class Read(_Call):
         if redirects:
             await self._follow(redirects)
         if self.refresh_soon:
-            self.client._refresh_soon(self.state)
+            self.cmap.refresh_soon()
 
     def _pack(self, keys: Sequence[bytes], slots: list[int], positions: list[int],
               distinct: bool) -> tuple[list[Command] | None, bytes, int]:
@@ -280,7 +276,7 @@ class Read(_Call):
                 commands.append(Command(slot, at, [pack_gets((keys[at[0]],))]))
             else:
                 commands += [Command(slot, chunk, [pack_mget([keys[p] for p in chunk])])
-                             for chunk in chunked(at, self.client.max_batch)]
+                             for chunk in chunked(at, self.cmap.max_batch)]
         return commands, b"".join([c.request[0] for c in commands]), len(commands)
 
     def _scatter(self, target: Target, keys: Sequence[bytes], slots: list[int],
@@ -315,9 +311,9 @@ class Read(_Call):
 
 
 class Write(_Call):
-    def __init__(self, client: RedisClusterClient, state: ClusterState,
+    def __init__(self, cmap: ClusterMap,
                  skip: Collection[NodeName], items: Sequence[tuple[bytes, bytes]]) -> None:
-        super().__init__(client, state, skip)
+        super().__init__(cmap, skip)
         self.items = items
         self.written = 0
         self.rejected: dict[bytes, StoreError] = {}
@@ -335,8 +331,8 @@ class Write(_Call):
 class Add(_Call):
     """``SET NX PX`` per key: which keys were absent (and are now set)."""
 
-    def __init__(self, client: RedisClusterClient, state: ClusterState, n: int) -> None:
-        super().__init__(client, state, ())
+    def __init__(self, cmap: ClusterMap, n: int) -> None:
+        super().__init__(cmap, ())
         self.added = [False] * n
 
     def on_reply(self, node: NodeName, command: Command, reply: Any) -> None:
@@ -357,8 +353,8 @@ class Delete(_Call):
 class Exists(_Call):
     """``EXISTS`` per key: which keys the cluster holds."""
 
-    def __init__(self, client: RedisClusterClient, state: ClusterState, n: int) -> None:
-        super().__init__(client, state, ())
+    def __init__(self, cmap: ClusterMap, n: int) -> None:
+        super().__init__(cmap, ())
         self.found = [False] * n
 
     def on_reply(self, node: NodeName, command: Command, reply: Any) -> None:
@@ -372,8 +368,8 @@ class Exists(_Call):
 class Sizes(_Call):
     """``STRLEN`` per key: the sizes of the values the cluster holds."""
 
-    def __init__(self, client: RedisClusterClient, state: ClusterState, n: int) -> None:
-        super().__init__(client, state, ())
+    def __init__(self, cmap: ClusterMap, n: int) -> None:
+        super().__init__(cmap, ())
         self.sizes: list[int | None] = [None] * n
 
     def on_reply(self, node: NodeName, command: Command, reply: Any) -> None:

@@ -1,20 +1,18 @@
-"""A Redis Cluster's slot map as this client keeps it: redis-py's topology, flattened for
-the hot paths (`SlotView`), and the per-loop state built around it."""
+"""A Redis Cluster's slot map flattened for the hot paths (`SlotView`), and what commands
+are sent as (`Command`) and to (`Target`)."""
 
 from __future__ import annotations
 
-import asyncio
 from binascii import crc_hqx
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from redis.asyncio.cluster import RedisCluster
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from ..api import NodeName
-from .connection import Request, RespConnection
+from .connection import Request
 
-__all__ = ["NO_VIEW", "ClusterState", "Command", "SlotView", "Target", "key_slots"]
+__all__ = ["NO_VIEW", "Command", "SlotView", "Target", "key_slots"]
 
 _SLOT_MASK = REDIS_CLUSTER_HASH_SLOTS - 1
 
@@ -60,13 +58,3 @@ class Target:
     host: str
     port: int
     asking: bool = False
-
-
-@dataclass
-class ClusterState:
-    topology: RedisCluster  # the slot map only: no data goes through redis-py
-    nodes: dict[NodeName, RespConnection] = field(default_factory=dict)  # "host:port" -> conn
-    ready: bool = False  # the slot map was read once
-    view: SlotView = NO_VIEW  # the slot map as of the last read
-    refresh: asyncio.Task[None] | None = None  # background re-read after a failure
-    last_refresh: float = float("-inf")  # time.monotonic() of the last re-read started

@@ -17,24 +17,22 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
 import hiredis
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS
 
 from ..._interrupts import raised_in_signal_handler
 from ...errors import StoreError, StoreTimeout, StoreUnavailable
-from ..api import AnsweredAtSend, ConsumerConnection, NodeName
+from ..api import AnsweredAtSend, ConsumerConnection, NodeName, ReadResult
 from ..loop import LoopThread
 from ..protocol.resp import cluster_node_error, pack_gets, unexpected_reply
 from ..transport.blocking import Request
+from .cluster_map import NodeAccess
 from .cluster_slots import NO_VIEW, SlotView, key_slots
+from .consumer import BlockingRespConnection
 from .endpoint import RedisEndpoint
-from .reads import BlockingRespConnection
-
-if TYPE_CHECKING:
-    from .cluster import RedisClusterClient
 
 __all__ = ["BlockingClusterConnection", "ConsumerRoutes", "Trouble", "UnservedKeys"]
 
@@ -215,10 +213,18 @@ class ConsumerRoutes:
     map if need be), and what fails there fails only them.
     """
 
-    def __init__(self, client: RedisClusterClient, loop: LoopThread) -> None:
-        self.client = client
+    def __init__(self, access: NodeAccess, loop: LoopThread, primaries: int,
+                 view: Callable[[], SlotView | None], refresh: Callable[[bool], None],
+                 read: Callable[[list[bytes]], Coroutine[Any, Any, ReadResult]]) -> None:
+        """``view()``: the slot map of ``loop``'s state now (None before it has one);
+        ``refresh(redirected)``: (loop thread) re-read it soon; ``read(keys)``: the asyncio
+        path's read, for keys no connection here serves."""
+        self.access = access
         self.loop = loop
-        capacity = 2 * max(len(client.node_names), 3)
+        self._view = view
+        self._refresh = refresh
+        self._read = read
+        capacity = 2 * max(primaries, 3)
         self.conns: list[ConsumerConnection] = [
             BlockingClusterConnection(None, f"(spare {i})", self.trouble)
             for i in range(capacity)]
@@ -231,7 +237,7 @@ class ConsumerRoutes:
     def trouble(self, node: str, redirected: bool) -> None:
         """(Consumer thread.) Ask the loop thread to re-read the map."""
         try:
-            self.loop.call_soon(self.client._consumer_trouble, redirected)
+            self.loop.call_soon(self._refresh, redirected)
         except RuntimeError:  # the loop is closed: nothing to refresh for
             pass
 
@@ -239,32 +245,28 @@ class ConsumerRoutes:
         """Where keys without a connection count their failures: the cluster's URL
         before any map was read (as the asyncio path reports it), else the slots no
         node serves."""
-        state = self.client._states.get(self.loop.loop)
-        url = self.client.safe_url
-        if state is None or state.view is NO_VIEW:
+        view = self._view()
+        url = self.access.safe_url
+        if view is None or view is NO_VIEW:
             return url
         return f"{url} (slots no node serves)"
 
     def _read_on_loop(self, keys: Sequence[bytes]) -> list[Any]:
         """(Consumer thread.) ``keys`` read by the asyncio path; raises what failed."""
-        client = self.client
-        budget = client.connect_timeout + 2 * client.timeout + 1
+        access = self.access
+        budget = access.connect_timeout + 2 * access.timeout + 1
         try:
-            result = self.loop.call(client.read(list(keys)), budget)
+            result = self.loop.call(self._read(list(keys)), budget)
         except concurrent.futures.TimeoutError as exc:
-            raise StoreTimeout(f"redis cluster {client.safe_url} did not answer within "
+            raise StoreTimeout(f"redis cluster {access.safe_url} did not answer within "
                                f"{budget:g}s") from exc
         except RuntimeError as exc:  # the loop is closed
-            raise StoreUnavailable(f"redis cluster {client.safe_url}: {exc}") from exc
+            raise StoreUnavailable(f"redis cluster {access.safe_url}: {exc}") from exc
         for error in result.failures.values():
             raise error
         if result.skipped:  # not skipped here: only the policy skips, before send_get
             raise StoreError("keys skipped by the cluster client (asynccache bug)")
         return result.values
-
-    def _view(self) -> SlotView | None:
-        state = self.client._states.get(self.loop.loop)
-        return None if state is None else state.view
 
     def route(self, keys: Sequence[bytes]) -> list[tuple[int, list[int]]]:
         view = self._view()
@@ -309,7 +311,7 @@ class ConsumerRoutes:
                              name)
                 continue
             ci = free.pop(0)
-            conns[ci].retarget(self.client._endpoint(host, port), name)
+            conns[ci].retarget(self.access.endpoint(host, port), name)
             index[name] = ci
         unserved = self.unserved
         lookup = {name: index.get(name, unserved) for name in primaries}

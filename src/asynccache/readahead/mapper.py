@@ -32,7 +32,7 @@ from ..observe.catalog import CACHE_COUNTERS, NODE_COUNTERS
 from ..store.api import BaseClient
 from .engine import NOTHING, ReadAhead
 from .readers import Reader, Ticket
-from .runtime import ProcessRuntime, Reports, deep_copy_as_new
+from .runtime import JobStats, ProcessRuntime, deep_copy_as_new
 from .window import WINDOW_GROWTH, WindowSizer, readahead_budget
 
 try:
@@ -220,7 +220,7 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
         self.method = method
         self.multiprocessing_context = multiprocessing_context
         self.snapshot_frequency = snapshot_frequency
-        self._reports = Reports(secrets.token_hex(8), self.namespace)
+        self._reports = JobStats(secrets.token_hex(8), self.namespace)
         self._reports.bind(self)
         self._strict = on_error == "raise"
         # read-ahead bounded in bytes too, as the pipe's (see readahead.prefetch): a small
@@ -441,7 +441,7 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
     def _computed(self, entry: _Entry, rt: NodeRuntime) -> Any:
         """A miss: a value this process wrote lately (read your writes: the source may
         yield an item twice), else its worker's result or computed here, written back."""
-        found = rt.port.recall([entry.key])
+        found = rt.port.read_own_writes([entry.key])
         if found:
             if entry.future is not None:
                 entry.future.cancel()  # computed ahead in vain, if it started
