@@ -22,7 +22,7 @@ from ..observe.catalog import CACHE_COUNTERS
 from ..store.api import BaseClient
 from . import order as orders
 from .prefetch import Prefetcher
-from .runtime import JobStats, ProcessRuntime, deep_copy_as_new
+from .runtime import JobStats, ProcessRuntime, UsesCacheSettings
 from .window import Budget, readahead_budget
 
 logger = logging.getLogger("asynccache")
@@ -168,7 +168,7 @@ class PipeRuntime(ProcessRuntime):
         self.finish(close=True, timeout=timeout, readers=[p.reader for p in prefetchers])
 
 
-class AsyncKVCacheMapDataPipe(_Base):
+class AsyncKVCacheMapDataPipe(UsesCacheSettings, _Base):
     """Caches a map-style dataset in a shared key-value store, with batched read-ahead
     (functional name: ``async_kv_cache``).
 
@@ -258,21 +258,6 @@ class AsyncKVCacheMapDataPipe(_Base):
         #: this process's final counters once close() ran (then any read is an error)
         self._closed: dict[str, int] | None = None
 
-    @property
-    def client(self) -> BaseClient[Any]:
-        """The store client (from the settings)."""
-        return self.settings.client
-
-    @property
-    def keyspace(self) -> Keyspace:
-        """The namespace and its key rule (from the settings)."""
-        return self.settings.keyspace
-
-    @property
-    def namespace(self) -> str:
-        """The namespace values are stored under."""
-        return self.settings.keyspace.namespace
-
     # -- runtime ---------------------------------------------------------------------------
     def _runtime(self) -> PipeRuntime:
         rt = self._rt
@@ -291,11 +276,6 @@ class AsyncKVCacheMapDataPipe(_Base):
                 if self.client.process_local and orders.worker_info() is not None:
                     rt.warn_process_local()
         return rt
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        """A deep copy is a new pipe: its own namespace when unnamed, its own stats
-        (see `deep_copy_as_new`); pickled copies still share both."""
-        return deep_copy_as_new(self, memo)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -32,7 +32,7 @@ from ..observe.catalog import CACHE_COUNTERS, NODE_COUNTERS
 from ..store.api import BaseClient
 from .engine import NOTHING, ReadAhead
 from .readers import Reader, Ticket
-from .runtime import JobStats, ProcessRuntime, deep_copy_as_new
+from .runtime import JobStats, ProcessRuntime, UsesCacheSettings
 from .window import WINDOW_GROWTH, WindowSizer, readahead_budget
 
 try:
@@ -134,7 +134,7 @@ def _map_only(map_fn: Callable[[Any], Any], item: Any) -> Any:
 
 
 # torchdata ships no type information (no py.typed, no stubs): BaseNode is Any to mypy
-class CachedMapper(BaseNode[T]):  # type: ignore[misc]
+class CachedMapper(UsesCacheSettings, BaseNode[T]):  # type: ignore[misc]
     """Yields ``map_fn(item)`` for each item of ``source``, cached in a shared store.
 
     Args:
@@ -244,21 +244,6 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
         #: this process's final counters once close() ran (then any use is an error)
         self._closed: dict[str, int] | None = None
 
-    @property
-    def client(self) -> BaseClient[Any]:
-        """The store client (from the settings)."""
-        return self.settings.client
-
-    @property
-    def keyspace(self) -> Keyspace:
-        """The namespace and its key rule (from the settings)."""
-        return self.settings.keyspace
-
-    @property
-    def namespace(self) -> str:
-        """The namespace values are stored under."""
-        return self.settings.keyspace.namespace
-
     # -- runtime ---------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed is not None:
@@ -308,11 +293,6 @@ class CachedMapper(BaseNode[T]):  # type: ignore[misc]
             for name, attribute in _ENGINE_COUNTERS.items():
                 counts[name] += getattr(engine, attribute)
         return counts
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        """A deep copy is a new node: its own namespace when unnamed, its own stats
-        (see `deep_copy_as_new`); pickled copies still share both."""
-        return deep_copy_as_new(self, memo)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -19,14 +19,15 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .. import _fork
-from ..cache.port import CachePort, CacheSettings
+from ..cache.port import CachePort, CacheSettings, Keyspace
 from ..observe.board import REPORT_INTERVAL, StatsBoard
 from ..observe.histogram import Latency, merge
 from ..observe.stats import with_hit_rate
+from ..store.api import BaseClient
 from ..store.loop import LoopThread, get_loop_thread
 from .readers import L1Reader, LoopReader, Reader, SocketReader
 
-__all__ = ["JobStats", "ProcessRuntime", "deep_copy_as_new"]
+__all__ = ["JobStats", "ProcessRuntime", "UsesCacheSettings", "deep_copy_as_new"]
 
 _Owner = TypeVar("_Owner")
 
@@ -99,6 +100,34 @@ class JobStats:
         if per_process:
             return {os.getpid(): local, **self.latency_others()}
         return merge([local, *self.latency_others().values()])
+
+
+class UsesCacheSettings:
+    """What a pipe and a node share as owners of a cache: what they say of it, read from
+    their `CacheSettings` (``self.settings``, set by their constructor), and what a deep
+    copy of them is."""
+
+    settings: CacheSettings
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """A deep copy is a new pipeline: its own namespace when unnamed, its own stats
+        (see `deep_copy_as_new`); pickled copies still share both."""
+        return deep_copy_as_new(self, memo)
+
+    @property
+    def client(self) -> BaseClient[Any]:
+        """The store client."""
+        return self.settings.client
+
+    @property
+    def keyspace(self) -> Keyspace:
+        """The namespace and its key rule."""
+        return self.settings.keyspace
+
+    @property
+    def namespace(self) -> str:
+        """The namespace values are stored under."""
+        return self.settings.keyspace.namespace
 
 
 def deep_copy_as_new(owner: _Owner, memo: dict[int, Any]) -> _Owner:

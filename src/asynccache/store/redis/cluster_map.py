@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass, field
 
 import redis.exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
@@ -40,22 +41,20 @@ REFRESH_INTERVAL = 1.0
 REDIRECT_REFRESH_INTERVAL = 0.1
 
 
+@dataclass(frozen=True)
 class NodeAccess:
     """How this client reaches any node of the cluster: what every `ClusterNode`'s
     endpoint and every map read share (credentials, TLS, timeouts). Made afresh for each
     loop's map and each consumer's routes: it holds the password, so it is never kept on
-    the client (which pickles)."""
+    the client (which pickles), and its repr leaves the password out."""
 
-    def __init__(self, safe_url: str, username: str | None, password: str | None,
-                 tls: TlsSettings | None, timeout: float, connect_timeout: float,
-                 max_batch: int) -> None:
-        self.safe_url = safe_url
-        self.username = username
-        self.password = password
-        self.tls = tls
-        self.timeout = timeout
-        self.connect_timeout = connect_timeout
-        self.max_batch = max_batch
+    safe_url: str
+    username: str | None
+    password: str | None = field(repr=False)
+    tls: TlsSettings | None
+    timeout: float
+    connect_timeout: float
+    max_batch: int
 
     def endpoint(self, host: str, port: int) -> RedisEndpoint:
         """Where a node is, and how to talk to it."""
