@@ -102,7 +102,7 @@ class CachePort:
 
     # -- misses ------------------------------------------------------------------------
     def compute(self, wanted: Mapping[bytes, Any], fn: Callable[[Any], Any], *,
-                visible: str = "queued") -> dict[bytes, Any]:
+                visible: Visible = "queued") -> dict[bytes, Any]:
         """Values for store keys that missed (``{store key: item}``), ``fn(item)`` each,
         computed in the calling thread and written back (queued: write-behind).
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _fork
 from .._fork import park_inherited
-from ..cache.port import MISSING, CacheSettings, Codec, Keyspace, OnError
+from ..cache.port import MISSING, CacheSettings, Codec, Keyspace, OnError, Visible
 from ..errors import ClosedError, ConfigError, KeyEncodingError
 from ..observe.catalog import CACHE_COUNTERS
 from ..store.api import BaseClient
@@ -454,7 +454,7 @@ class AsyncKVCacheMapDataPipe(UsesCacheSettings, _Base):
                     or (p.tentative and not p.pos))
         else:
             ends = orders.worker_info() is None
-        visible = "now" if ends else "next"
+        visible: Visible = "now" if ends else "next"
         if missing:
             computed = self._compute(missing, rt, visible=visible)
             values = [computed[i] if v is MISSING else v for i, v in zip(indices, values)]
@@ -480,7 +480,7 @@ class AsyncKVCacheMapDataPipe(UsesCacheSettings, _Base):
         return out
 
     def _compute(self, indices: list[Any], rt: PipeRuntime,
-                 visible: str = "queued") -> dict[Any, Any]:
+                 visible: Visible = "queued") -> dict[Any, Any]:
         """Compute misses in this thread and write them back (see `CachePort.compute()`)."""
         wanted = {self.key_for(i): i for i in dict.fromkeys(indices)}
         computed = rt.port.compute(wanted, self.source.__getitem__, visible=visible)
