@@ -1,7 +1,7 @@
 """``Tiered(near, far)``'s logic on in-process stores: which tier a read asks, what a
 key that was not read becomes, what is copied and what is dropped, how writes merge.
 
-The acceptance tests (real servers, killed and black-holed): tests/test_tiered.py.
+The acceptance tests (real servers, killed and black-holed): tests/store/test_tiered.py.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ rank whose shard holds it); the later epochs are warm. Measured per rank:
   (each batch one blocking multi-get per worker);
 * **computed in warm epochs**, across ranks (must be 0).
 
-The job itself (`run_job`) is also what ``tests/test_distributed.py`` checks.
+The job itself (`run_job`) is also what ``tests/acceptance/test_distributed.py`` checks.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from asynccache.store.lmdb import verified
 from asynccache.store.lmdb.damage import Env
 from asynccache.store.lmdb.package import lmdb
 
-SRC = Path(__file__).parent.parent / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 #: opens ``lmdb://<path>?<query>``, writes ``count`` values or reads them; the verifier's
 #: log lines (DEBUG) go to stderr

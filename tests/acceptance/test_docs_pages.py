@@ -16,7 +16,7 @@ import pytest
 
 from asynccache.testing import servers
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RUNNER = ROOT / "tests" / "docs_pages.py"
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SKIP = re.compile(r"<!-- skip: next(.*?)-->")

@@ -18,7 +18,7 @@ import pytest
 from asynccache.testing import servers
 
 pytestmark = pytest.mark.anyio
-EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 
 
 def _load(name: str) -> Any:

@@ -21,7 +21,7 @@ from asynccache.store.lmdb.client import LmdbClient
 from asynccache.store.registry import unregister_scheme
 from outside_provider.sqlite_store import SqliteStore
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]  # where outside_provider/ is
 SRC = TESTS.parent / "src"
 
 

@@ -137,7 +137,7 @@ def test_lmdb_with_two_slashes_is_a_config_error_naming_three(
 
 
 def test_readme_examples_write_under_a_temp_or_home_directory() -> None:
-    root = Path(__file__).parent.parent
+    root = Path(__file__).resolve().parents[2]
     pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
     for page in pages:
         text = page.read_text()

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 import asynccache as ac
 from asynccache.store.lmdb.client import MAGIC, LmdbClient, pack_value
 
-SRC = Path(__file__).parent.parent / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 class FileCounted(torch.utils.data.Dataset):

@@ -22,7 +22,7 @@ import pytest
 import asynccache as ac
 from asynccache.store.lmdb.client import LmdbClient
 
-SRC = Path(__file__).parent.parent / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 PAGE = 4096
 #: values in leaf pages (100 B) and in overflow pages (4 KiB, 256 KiB)
 SIZES = [100] * 300 + [4096] * 60 + [256 << 10] * 6

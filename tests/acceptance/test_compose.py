@@ -30,7 +30,7 @@ import yaml
 import asynccache as ac
 from asynccache.testing import servers
 
-COMPOSE = Path(__file__).resolve().parents[1] / "docker-compose.yml"
+COMPOSE = Path(__file__).resolve().parents[2] / "docker-compose.yml"
 LOOPBACK = "127.0.0.1"
 #: service -> (image name, required tag prefix)
 IMAGES = {
