@@ -15,8 +15,10 @@ import pytest
 import asynccache as ac
 from asynccache.cache.core import AsyncKVCache
 
-#: modules called for a lookup that returns at once
+#: modules called for a lookup that returns at once (the settings: `SettingsView`'s
+#: properties, as ``cache.keyspace``)
 LEAVES = {"asynccache.cache.keys", "asynccache.cache.loops", "asynccache.cache.health",
+          "asynccache.cache.settings",
           "asynccache.cache.markers", "asynccache.observe.stats",
           "asynccache.observe.histogram"}
 

@@ -32,7 +32,7 @@ from .loops import Loops
 from .markers import MISSING, Failed
 from .parts import CacheParts
 from .reads import IMMUTABLE, ReadPath
-from .settings import CacheSettings
+from .settings import CacheSettings, SettingsView
 from .write_queue import WriteQueue
 from .writes import Writer
 
@@ -43,7 +43,7 @@ Key = Any  # int-like, str, bytes or tuples of them: see asynccache.cache.keys
 Condition = decorator.Condition
 
 
-class AsyncKVCache:
+class AsyncKVCache(SettingsView):
     """Object cache over a byte store client, for use inside one event loop.
 
     With ``lease``, the first process to miss a key takes a short lease on it in the
@@ -105,41 +105,36 @@ class AsyncKVCache:
         return cache
 
     def _build(self, settings: CacheSettings) -> None:
-        #: what this cache was built from, checked once
+        #: what this cache was built from, checked once; `keyspace`, `ttl`, `codec` and
+        #: the other settings are read from it, never kept twice
         self.settings = settings
-        client = self.client = settings.client
-        #: the namespace and its key rule (a pipe or node passes its own, so that the
-        #: cache of each of its copies builds the same keys)
-        self.keyspace = settings.keyspace
-        self.namespace = self.keyspace.namespace
-        self.prefix = self.keyspace.prefix
-        self.max_key_size = self.keyspace.max_key_size
-        self.ttl: float | None = settings.store_ttl
-        self.codec: Codec = settings.codec  # type: ignore[assignment]  # set when checked
-        self.on_error: OnError = settings.on_error
-        self.chunking = settings.chunking
-        self.lease: float | None = settings.lease
-        self.max_pending_writes = settings.max_pending_writes
+        client = settings.client
         self.counters = Counters()
         #: durations of store requests (one record per request, never per item)
         self.histograms = Histograms()
-        self.policy = FailurePolicy(self.on_error, self.counters, client.safe_url)
+        self.policy = FailurePolicy(settings.on_error, self.counters, client.safe_url)
         #: the in-process tier in front of the store (``l1_bytes``), fed by every decode
         self.l1 = L1Cache(settings.l1_bytes) if settings.l1_bytes else None
         #: values written behind and not yet acknowledged (read-your-writes asks it)
-        self.writes = WriteQueue(settings.max_pending_writes, ttl=self.ttl)
+        self.writes = WriteQueue(settings.max_pending_writes, ttl=settings.store_ttl)
         #: the state held in the running loop; ``get()`` calls gather into the read path
         self.loops = Loops(settings.max_in_flight, self.counters, self._refuse)
         #: what the mechanisms below (and a pipe's consumer threads) take
         self.parts = CacheParts(
-            client=client, keyspace=self.keyspace, codec=self.codec, ttl=self.ttl,
-            lease=self.lease, chunking=self.chunking, counters=self.counters,
-            histograms=self.histograms, policy=self.policy, l1=self.l1, writes=self.writes,
-            loops=self.loops)
+            client=client, keyspace=settings.keyspace, codec=settings.checked_codec,
+            ttl=settings.store_ttl, lease=settings.lease, chunking=settings.chunking,
+            counters=self.counters, histograms=self.histograms, policy=self.policy,
+            l1=self.l1, writes=self.writes, loops=self.loops)
         self.reads = ReadPath(self.parts)
         self.loops.gather_into(self.reads.read, self.reads.copy_of)
         self.writer = Writer(self.parts)
         self.leases = Leases(self.parts, self.reads)
+
+    def __getstate__(self) -> NoReturn:
+        raise TypeError(
+            f"{self!r} cannot be pickled: a cache belongs to the event loop it runs in. "
+            "Pickle its client (configuration only, it connects in each process) and build "
+            "a cache there, or use AsyncKVCacheMapDataPipe, which does that in each process")
 
     # -- the loop, and the end ------------------------------------------------------------
     def _refuse(self) -> NoReturn:
@@ -175,10 +170,6 @@ class AsyncKVCache:
         return self.ttl if ttl is MISSING else self.keyspace.ttl(check_ttl(ttl))
 
     # -- reads ------------------------------------------------------------------------------
-    async def read_store_keys(self, store_keys: Sequence[bytes]) -> list[Any]:
-        """What callers get for ``store_keys``: values, ``MISSING``, `Failed`."""
-        return await self.reads.read(store_keys)
-
     async def get_many(self, keys: Iterable[Key]) -> dict[Key, Any]:
         """``{key: value}`` for the keys found; misses are simply absent."""
         keys = list(dict.fromkeys(keys))

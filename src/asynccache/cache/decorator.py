@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from .codec import Codec
     from .keys import Keyspace
     from .loops import Loops, LoopState
+    from .reads import ReadPath
     from .writes import Writer
 
 __all__ = ["CallKey", "Condition", "DecoratedCache", "cached", "cached_many",
@@ -45,14 +46,17 @@ class DecoratedCache(Protocol):
     """What a decorated function uses of its cache (`AsyncKVCache`): named here, so that
     the decorators do not import the cache that offers them."""
 
-    keyspace: Keyspace
-    codec: Codec
+    reads: ReadPath
     writer: Writer
     loops: Loops
 
+    @property
+    def keyspace(self) -> Keyspace: ...
+    @property
+    def codec(self) -> Codec: ...
+
     def key(self, key: Any) -> bytes: ...
     def resolve_ttl(self, ttl: Any) -> float | None: ...
-    async def read_store_keys(self, store_keys: Sequence[bytes]) -> list[Any]: ...
     async def write_entries(self, entries: dict[bytes, bytes], ttl: Any = ...) -> bool: ...
     async def invalidate_store_keys(self, store_keys: Sequence[bytes]) -> None: ...
     async def compute_once(self, store_key: bytes, compute: Callable[[], Any],
@@ -291,7 +295,7 @@ def cached_many(cache: DecoratedCache, fn: Any, ttl: Any, key: Callable[..., Any
             mark = here.finishes
             here.readers += 1
             try:
-                values = await cache.read_store_keys([store_keys[i] for i in asked])
+                values = await cache.reads.read([store_keys[i] for i in asked])
                 missing = []
                 for i, value in zip(asked, values):
                     if type(value) is Failed:

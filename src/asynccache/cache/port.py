@@ -26,11 +26,11 @@ from .expiry import check_ttl
 from .keys import Keyspace, anonymous_scope, unique_namespace
 from .leases import Claim, Leased, WaitFor, lease_protocol
 from .markers import MISSING, NOT_READ, Failed, is_value
-from .settings import CacheSettings
+from .settings import CacheSettings, SettingsView
 
 __all__ = ["MISSING", "NOT_READ", "CachePort", "CacheSettings", "ChunkManifest", "Codec",
-           "Failed", "Keyspace", "OnError", "Visible", "anonymous_scope", "check_ttl",
-           "chunk_keys_of", "is_value", "unique_namespace"]
+           "Failed", "Keyspace", "OnError", "SettingsView", "Visible", "anonymous_scope",
+           "check_ttl", "chunk_keys_of", "is_value", "unique_namespace"]
 
 #: When a batch's computed values must be in the store (see `CachePort.compute()`)
 Visible = Literal["queued", "now", "next"]

@@ -19,7 +19,7 @@ from .expiry import check_ttl
 from .health import OnError
 from .keys import Keyspace
 
-__all__ = ["CacheSettings"]
+__all__ = ["CacheSettings", "SettingsView"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,7 +70,58 @@ class CacheSettings:
             object.__setattr__(self, "codec", DEFAULT_CODEC)
 
     @property
+    def checked_codec(self) -> Codec:
+        """The codec in use (``codec=None`` became the default one when checked)."""
+        assert self.codec is not None  # set in __post_init__
+        return self.codec
+
+    @property
     def store_ttl(self) -> float | None:
         """The ttl values are written with: an unnamed namespace's values expire after a
         day even without one (see `Keyspace.ttl()`)."""
         return self.keyspace.ttl(self.ttl)
+
+
+class SettingsView:
+    """What an owner of a cache (the cache itself, a pipe, a node) says of its settings,
+    read from its `CacheSettings` (``self.settings``, set by its constructor): the
+    settings are kept once, never copied into attributes of their own."""
+
+    settings: CacheSettings
+
+    @property
+    def client(self) -> BaseClient[Any]:
+        """The store client."""
+        return self.settings.client
+
+    @property
+    def keyspace(self) -> Keyspace:
+        """The namespace and its key rule (a pipe's or node's copies build the same keys)."""
+        return self.settings.keyspace
+
+    @property
+    def namespace(self) -> str:
+        """The namespace values are stored under."""
+        return self.settings.keyspace.namespace
+
+    @property
+    def prefix(self) -> bytes:
+        """What every store key of this owner starts with."""
+        return self.settings.keyspace.prefix
+
+    @property
+    def ttl(self) -> float | None:
+        """Seconds values live in the store (an unnamed namespace's: a day at most)."""
+        return self.settings.store_ttl
+
+    @property
+    def codec(self) -> Codec:
+        """How values become bytes."""
+        return self.settings.checked_codec
+
+    @property
+    def lease(self) -> float | None:
+        """Seconds a lease lasts (None: leases off)."""
+        seconds: float | None = self.settings.lease  # given as seconds or a timedelta
+        return seconds
+

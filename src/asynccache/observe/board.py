@@ -17,13 +17,15 @@ import stat
 import tempfile
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .. import _fork
 from . import counts_file
 from .counts_file import CountsFile
+
+_T = TypeVar("_T")
 
 __all__ = ["COUNTS_SUFFIX", "ENV_DIR", "META_FILE", "REPORT_INTERVAL", "StatsBoard", "boards_root"]
 
@@ -212,8 +214,9 @@ def _write(directory: int, name: str, data: bytes) -> None:
     os.replace(partial, name, src_dir_fd=directory, dst_dir_fd=directory)
 
 
-def _read(directory: int, name: str) -> bytes | None:
-    """The content of the regular file ``name`` (never through a link), or None."""
+def _in_regular_file(directory: int, name: str, read: Callable[[int], _T]) -> _T | None:
+    """``read(fd)`` of the regular file ``name`` (never through a link), or None when it
+    is not one or cannot be read."""
     try:
         fd = os.open(name, _O_READ, dir_fd=directory)
     except OSError:
@@ -221,12 +224,17 @@ def _read(directory: int, name: str) -> bytes | None:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
-        data = os.read(fd, _MAX_FILE + 1)
+        return read(fd)
     except OSError:
         return None
     finally:
         os.close(fd)
-    return data if len(data) <= _MAX_FILE else None
+
+
+def _read(directory: int, name: str) -> bytes | None:
+    """The content of the regular file ``name`` (never through a link), or None."""
+    data = _in_regular_file(directory, name, lambda fd: os.read(fd, _MAX_FILE + 1))
+    return data if data is not None and len(data) <= _MAX_FILE else None
 
 
 def _remove_tree(parent: int, name: str) -> None:
@@ -254,18 +262,7 @@ def _remove_tree(parent: int, name: str) -> None:
 
 def _counts(directory: int, name: str) -> dict[str, int] | None:
     """The counters in the regular file ``name`` (never through a link), or None."""
-    try:
-        fd = os.open(name, _O_READ, dir_fd=directory)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        return counts_file.read(fd, _MAX_FILE)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
+    return _in_regular_file(directory, name, lambda fd: counts_file.read(fd, _MAX_FILE))
 
 
 def _rows(data: bytes | None) -> dict[str, list[int]] | None:

@@ -5,11 +5,11 @@ Why it is built this way: docs/design.md, "Latency histograms".
 
 from __future__ import annotations
 
-import threading
-import weakref
 from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+
+from .shards import ThreadShards
 
 __all__ = ["BOUNDS", "KINDS", "Histograms", "Latency", "merge"]
 
@@ -98,50 +98,25 @@ def merge(snapshots: Iterable[Mapping[str, Latency]]) -> dict[str, Latency]:
 
 
 class Histograms:
-    """One latency histogram per kind of request, one shard per thread."""
+    """One latency histogram per kind of request, one shard per thread
+    (`asynccache.observe.shards`)."""
 
     def __init__(self, kinds: Iterable[str] = KINDS) -> None:
         self.kinds = tuple(kinds)
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self._live: list[tuple[weakref.ref[threading.Thread], dict[str, list[int]]]] = []
-        self._retired: dict[str, list[int]] = self._rows()
+        self._shards = ThreadShards(self._rows, _fold)
 
     def _rows(self) -> dict[str, list[int]]:
         return {kind: [0] * (_SLOTS + 1) for kind in self.kinds}
 
-    def _shard(self) -> dict[str, list[int]]:
-        shard = self._rows()
-        self._local.shard = shard
-        with self._lock:
-            self._live.append((weakref.ref(threading.current_thread()), shard))
-        return shard
-
     def record(self, kind: str, elapsed_ns: int) -> None:
         """One request of ``kind`` took ``elapsed_ns`` (from ``time.perf_counter_ns``)."""
-        try:
-            shard: dict[str, list[int]] = self._local.shard
-        except AttributeError:
-            shard = self._shard()
-        row = shard[kind]
+        row = self._shards.mine()[kind]
         row[bisect_left(_BOUNDS_NS, elapsed_ns)] += 1
         row[-1] += elapsed_ns
 
     def snapshot(self) -> dict[str, Latency]:
         """``{kind: Latency}`` summed over every thread (every kind listed, even empty)."""
-        with self._lock:
-            live = []
-            for ref, shard in self._live:
-                thread = ref()
-                if thread is None or not thread.is_alive():
-                    _fold(self._retired, shard)
-                else:
-                    live.append((ref, shard))
-            self._live = live
-            total = {kind: list(row) for kind, row in self._retired.items()}
-            for _ref, shard in live:
-                _fold(total, shard)
-        return {kind: Latency.from_row(row) for kind, row in total.items()}
+        return {kind: Latency.from_row(row) for kind, row in self._shards.total().items()}
 
 
 def _fold(into: dict[str, list[int]], shard: dict[str, list[int]]) -> None:

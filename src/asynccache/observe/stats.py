@@ -1,24 +1,18 @@
 """Counters that stay exact under threads, and the "log each kind of failure once" rule.
 
-Why shards: a cache is used from its event loop thread and from every consumer thread
-(DataLoader fetch, thread pools, ``ParallelMapper(method="thread")``). ``counter[k] += 1``
-from two threads loses updates, and a lock per increment costs more than a cache hit.
-So every thread adds to a dict of its own (found through a ``threading.local``) and
-`Counters.snapshot()` sums the shards. A shard is written by exactly one thread;
-reading it from another is a C-level ``dict`` copy, atomic under the GIL. Shards of
-threads that have ended are folded into one, so a pool that churns threads does not
-grow the list.
+The counters are kept in a shard per thread (`asynccache.observe.shards` says why) and
+summed when read.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from .catalog import CACHE_COUNTERS
+from .shards import ThreadShards
 
 __all__ = ["HIT_RATE", "Counters", "FailureLog", "with_hit_rate"]
 
@@ -42,21 +36,9 @@ class Counters:
 
     def __init__(self, names: Iterable[str] = CACHE_COUNTERS) -> None:
         self.names = tuple(names)
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self._live: list[tuple[weakref.ref[threading.Thread], dict[str, int]]] = []
-        self._retired: dict[str, int] = dict.fromkeys(self.names, 0)
-
-    def shard(self) -> dict[str, int]:
-        """This thread's counters (created on its first use). Only this thread writes it."""
-        try:
-            return self._local.shard
-        except AttributeError:
-            shard = dict.fromkeys(self.names, 0)
-            self._local.shard = shard
-            with self._lock:
-                self._live.append((weakref.ref(threading.current_thread()), shard))
-            return shard
+        self._shards = ThreadShards(lambda: dict.fromkeys(self.names, 0), _fold)
+        #: this thread's counters (made on its first use); only this thread writes them
+        self.shard: Callable[[], dict[str, int]] = self._shards.mine
 
     def add(self, name: str, n: int = 1) -> None:
         shard = self.shard()
@@ -64,23 +46,11 @@ class Counters:
 
     def snapshot(self) -> dict[str, int]:
         """The sum over every thread, as a new dict (every name listed, even at zero)."""
-        with self._lock:
-            live = []
-            for ref, shard in self._live:
-                thread = ref()
-                if thread is None or not thread.is_alive():
-                    _fold(self._retired, dict(shard))
-                else:
-                    live.append((ref, shard))
-            self._live = live
-            total = dict(self._retired)
-            for _ref, shard in live:
-                _fold(total, dict(shard))
-        return total
+        return self._shards.total()
 
 
 def _fold(into: dict[str, int], shard: dict[str, int]) -> None:
-    for name, value in shard.items():
+    for name, value in dict(shard).items():  # dict(): one C-level copy of a live shard
         into[name] = into.get(name, 0) + value
 
 

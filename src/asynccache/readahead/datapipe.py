@@ -9,7 +9,6 @@ import logging
 import operator
 import secrets
 import threading
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -21,9 +20,10 @@ from ..errors import ClosedError, ConfigError, KeyEncodingError
 from ..observe.catalog import CACHE_COUNTERS
 from ..store.api import BaseClient
 from . import order as orders
+from .pipe_runtime import PipeRuntime, PipeShape
 from .prefetch import Prefetcher
-from .runtime import JobStats, ProcessRuntime, UsesCacheSettings
-from .window import Budget, readahead_budget
+from .runtime import JobStats, UsesCacheSettings
+from .window import readahead_budget
 
 logger = logging.getLogger("asynccache")
 
@@ -53,119 +53,6 @@ def _new_runtime_lock() -> None:
 
 
 _fork.at_fork(in_child=_new_runtime_lock)
-
-
-class PipeRuntime(ProcessRuntime):
-    """A pipe's runtime: the shared parts plus one prefetcher per consumer thread."""
-
-    def __init__(self, pipe: AsyncKVCacheMapDataPipe) -> None:
-        super().__init__(pipe.settings, pipe._reports, self.stats)
-        self.pipe = pipe
-        self.length = len(pipe)
-        #: ``0 <= i < fast_length`` means "an int index needing no normalization"
-        self.fast_length = pipe._fast_length()
-        self.local = threading.local()
-        #: the read-ahead's memory in this process, shared by the threads' windows
-        self.budget = Budget(pipe.readahead_bytes)
-        #: every thread's prefetcher (for stats and close); ended threads' are folded
-        self.prefetchers: list[tuple[weakref.ref[threading.Thread], Prefetcher]] = []
-        self.retired = Prefetcher.zero_counts()
-        #: the last pass over the order (its batches), and the DataLoader's batch size
-        #: as the first __getitems__ showed it: what a worker's share is cut from
-        self.drawn: list[Any] | None = None
-        self.batch_size: int | None = None
-
-    # -- per-thread read state -----------------------------------------------------------
-    def prefetcher(self) -> Prefetcher:
-        """This thread's prefetcher, made on its first read."""
-        try:
-            return self.local.prefetcher  # type: ignore[no-any-return]
-        except AttributeError:
-            return self._new_prefetcher()
-
-    def order_changed(self) -> None:
-        """Every thread's prefetcher re-plans from the pipe's order at its next read."""
-        with self.lock:
-            for _ref, p in self.prefetchers:
-                p.stale_order = True
-
-    def _new_prefetcher(self) -> Prefetcher:
-        pipe = self.pipe
-        reader = self.new_reader()
-        length = None if pipe._mapping is not None else self.length
-        # prefetch is per node: a batch spread over a cluster's or a pool's nodes keeps
-        # each node's share as large as one server's (the bytes bound still holds)
-        p = Prefetcher(reader, pipe.keyspace.key, length, pipe.prefetch * reader.fanout,
-                       self.port.policy.strict, self.budget)
-        p.follow_order = pipe._follow_order
-        p.on_stop = self._order_not_followed
-        p.stale_order = True  # its first read follows the pipe's order
-        self.local.prefetcher = p
-        with self.lock:
-            self._fold_ended()
-            self.prefetchers.append((weakref.ref(threading.current_thread()), p))
-        return p
-
-    def warn_process_local(self) -> None:
-        """A store whose values stay in one process, used in a DataLoader worker: say
-        once per job that nothing is shared, and what shares."""
-        if self.port.policy.log.first("workers", ConfigError("process-local store")):
-            logger.warning(
-                "asynccache: %s keeps its values in each process: the DataLoader workers "
-                "of this pipe share nothing with each other or with the main process, and "
-                "workers that are not persistent start empty every epoch. To share values "
-                "across workers, epochs and jobs use lmdb:///path (one machine, no server) "
-                "or a server (redis://, valkey://, memcached://).", self.client.safe_url)
-
-    def _order_not_followed(self) -> None:
-        """A prefetcher stopped guessing: say so once per job (the stats board's claim,
-        as failures are logged), with the fix."""
-        if self.port.policy.log.first("read-ahead", ConfigError("order not followed")):
-            logger.warning(
-                "asynccache: read-ahead stopped guessing: the reads do not come in the order "
-                "given to set_order() (a sampler that draws from a random generator of its "
-                "own?). Reads go on as one batched request per batch, nothing is wrong; to "
-                "read ahead, pass the indices in the order they will be read "
-                "(set_order(indices)) or a sampler with a seeded torch.Generator. Read-ahead "
-                "resumes by itself once reads follow the order again; stats() counts the "
-                "stops in 'readahead_stopped'.")
-
-    def _fold_ended(self) -> None:
-        """Keep the counters of threads that have ended, close their sockets (locked)."""
-        live = []
-        for ref, p in self.prefetchers:
-            thread = ref()
-            if thread is None or not thread.is_alive():
-                for name, value in p.counts.items():
-                    self.retired[name] += value
-                p.close()
-            else:
-                live.append((ref, p))
-        self.prefetchers = live
-
-    def counts(self) -> dict[str, int]:
-        with self.lock:
-            self._fold_ended()
-            total = dict(self.retired)
-            for _ref, p in self.prefetchers:
-                for name, value in p.counts.items():
-                    total[name] += value
-        return total
-
-    def stats(self) -> dict[str, int]:
-        """This process's counters: the cache's and every thread's prefetcher's."""
-        total = self.port.counts()
-        total.setdefault("computed", 0)
-        for name, value in self.counts().items():
-            total[name] = total.get(name, 0) + value
-        return total
-
-    def close(self, timeout: float) -> None:
-        with self.lock:
-            prefetchers = [p for _ref, p in self.prefetchers]
-        for p in prefetchers:
-            p.close()
-        self.finish(close=True, timeout=timeout, readers=[p.reader for p in prefetchers])
 
 
 class AsyncKVCacheMapDataPipe(UsesCacheSettings, _Base):
@@ -271,11 +158,15 @@ class AsyncKVCacheMapDataPipe(UsesCacheSettings, _Base):
             if rt is None or not rt.current():
                 if rt is not None:
                     park_inherited(rt)  # the parent's prefetchers, sockets and locks
-                rt = self._rt = PipeRuntime(self)
+                rt = self._rt = PipeRuntime(self.settings, self._reports, self._shape())
                 rt.loop.add_shutdown_hook(self)
                 if self.client.process_local and orders.worker_info() is not None:
                     rt.warn_process_local()
         return rt
+
+    def _shape(self) -> PipeShape:
+        return PipeShape(len(self), self._fast_length(), self._mapping is not None,
+                         self.prefetch, self.readahead_bytes, self._follow_order)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

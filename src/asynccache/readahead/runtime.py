@@ -19,11 +19,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .. import _fork
-from ..cache.port import CachePort, CacheSettings, Keyspace
+from ..cache.port import CachePort, CacheSettings, SettingsView
 from ..observe.board import REPORT_INTERVAL, StatsBoard
 from ..observe.histogram import Latency, merge
 from ..observe.stats import with_hit_rate
-from ..store.api import BaseClient
 from ..store.loop import LoopThread, get_loop_thread
 from .readers import L1Reader, LoopReader, Reader, SocketReader
 
@@ -102,10 +101,9 @@ class JobStats:
         return merge([local, *self.latency_others().values()])
 
 
-class UsesCacheSettings:
-    """What a pipe and a node share as owners of a cache: what they say of it, read from
-    their `CacheSettings` (``self.settings``, set by their constructor), and what a deep
-    copy of them is."""
+class UsesCacheSettings(SettingsView):
+    """What a pipe and a node share as owners of a cache: what they say of it (a
+    `SettingsView` of their `CacheSettings`), and what a deep copy of them is."""
 
     settings: CacheSettings
 
@@ -113,21 +111,6 @@ class UsesCacheSettings:
         """A deep copy is a new pipeline: its own namespace when unnamed, its own stats
         (see `deep_copy_as_new`); pickled copies still share both."""
         return deep_copy_as_new(self, memo)
-
-    @property
-    def client(self) -> BaseClient[Any]:
-        """The store client."""
-        return self.settings.client
-
-    @property
-    def keyspace(self) -> Keyspace:
-        """The namespace and its key rule."""
-        return self.settings.keyspace
-
-    @property
-    def namespace(self) -> str:
-        """The namespace values are stored under."""
-        return self.settings.keyspace.namespace
 
 
 def deep_copy_as_new(owner: _Owner, memo: dict[int, Any]) -> _Owner:
@@ -171,6 +154,8 @@ class ProcessRuntime:
     def __init__(self, settings: CacheSettings, reports: JobStats | None = None,
                  snapshot: Callable[[], dict[str, int]] | None = None) -> None:
         self.fork_generation = _fork.generation
+        #: what the cache is built from (the client, the keyspace, the codec, ...)
+        self.settings = settings
         client = self.client = settings.client
         self.loop: LoopThread = get_loop_thread()
         #: the cache, as this process's consumer threads use it

@@ -17,6 +17,7 @@ from .memcached.client import MemcachedClient
 from .memory import MemoryClient
 from .redis.client import RedisClient
 from .transport.tls import TlsSettings
+from .url_options import flag
 
 __all__ = ["connect"]
 
@@ -36,8 +37,6 @@ _TLS_FILES = {"ssl_ca_certs": "ca_certs", "ssl_certfile": "certfile", "ssl_keyfi
 _TLS_OPTIONS = {*_TLS_FILES, "ssl_cert_reqs", "ssl_check_hostname"}
 _STR_OPTIONS = {*_TLS_FILES, "ssl_cert_reqs", "password_env"}
 _ALL_OPTIONS = _FLOAT_OPTIONS | _INT_OPTIONS | _BOOL_OPTIONS | _STR_OPTIONS
-_TRUE = {"true", "1", "yes", "on"}
-_FALSE = {"false", "0", "no", "off"}
 
 
 def _mask(url: str) -> str:
@@ -71,12 +70,7 @@ def _options(query: str, url: str) -> dict[str, Any]:
 
 
 def _flag(name: str, raw: Any, url: str) -> bool:
-    if isinstance(raw, bool):
-        return raw
-    text = str(raw).strip().lower()
-    if text in _TRUE | _FALSE:
-        return text in _TRUE
-    raise InvalidURL(f"option {name}={raw!r} for {_mask(url)} is not true or false")
+    return flag(name, raw, _mask(url))
 
 
 def _tls(enabled: bool, opts: dict[str, Any], url: str) -> TlsSettings | None:

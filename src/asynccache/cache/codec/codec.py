@@ -483,25 +483,21 @@ class Codec:
                 prefix, tag = HOT.unpack_from(data)
             except struct.error:
                 prefix = None
+            payload: bytes | None = None
             if prefix == self._hot:
                 payload = data[HEADER_SIZE:]
                 if xxh3_64_intdigest(payload, xxh3_64_intdigest(key, SEED0)) != tag:
                     raise DecodeError(MISMATCH)
-                try:
-                    return pickle.loads(payload)
-                except Exception as exc:
-                    if raised_in_signal_handler(exc):
-                        raise
-                    raise unpickle_error(exc) from exc
             # as _decode, without its general cases (with no signer _hot_signed is b"",
             # which no prefix equals)
-            if prefix == self._hot_signed and self._signer is not None:
+            elif prefix == self._hot_signed and self._signer is not None:
                 payload = data[SIGNED_HEADER_SIZE:]
                 mac_input = mac_prefix(key, prefix) + payload  # small: one hash update
                 if not self._signer.verify([mac_input], data[FIXED.size : SIGNED_HEADER_SIZE]):
                     raise SignatureError(FORGED)
                 if not self.allow_pickle:
                     return _plain().loads(payload)
+            if payload is not None:
                 try:
                     return pickle.loads(payload)
                 except Exception as exc:

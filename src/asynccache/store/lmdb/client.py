@@ -27,6 +27,7 @@ from ...errors import (
 from ..api import AnsweredAtSend, ConsumerReads, NodeName, WriteResult
 from ..credentials import mask_url
 from ..provider import Provider
+from ..url_options import flag
 from .damage import EnvironmentDamaged
 from .environment import Settings, session, using, writer
 from .package import lmdb
@@ -40,8 +41,6 @@ HEADER = struct.Struct("<4sd")
 MAGIC = b"acL\x01"
 _MAX_KEY = 511
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)b?\s*", re.IGNORECASE)
-_TRUE = {"true", "1", "yes", "on"}
-_FALSE = {"false", "0", "no", "off"}
 
 
 def pack_value(value: bytes, expires: float) -> bytes:
@@ -74,15 +73,6 @@ def parse_size(value: int | str, option: str = "map_size") -> int:
     if size < 1 << 16:
         raise ConfigError(f"{option}={value!r} is too small: give at least 64KiB")
     return size
-
-
-def _flag(option: str, value: bool | str) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in _TRUE | _FALSE:
-        return text in _TRUE
-    raise InvalidURL(f"option {option}={value!r} is not true or false")
 
 
 class LmdbClient(Provider):
@@ -121,9 +111,9 @@ class LmdbClient(Provider):
             raise ConfigError("max_readers must be at least 1 and max_spare_txns at least 0")
         self.settings = Settings(path=where, map_size=parse_size(map_size),
                                   max_readers=readers, max_spare_txns=spare,
-                                  sync=_flag("sync", sync),
-                                  readahead=_flag("readahead", readahead),
-                                  verify=_flag("verify", verify))
+                                  sync=flag("sync", sync),
+                                  readahead=flag("readahead", readahead),
+                                  verify=flag("verify", verify))
         _check_writable(where)
 
     @property

@@ -10,7 +10,15 @@ import hashlib
 import itertools
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Collection, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -333,31 +341,23 @@ class MemcachedClient(BaseClient[_MemcachedState]):
 
     async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         """``mg key`` per key (no value transferred), servers concurrently."""
-        found = [False] * len(keys)
-        if not keys:
-            return found
-        nodes = self._state().nodes
-        groups = self._per_node(keys)
-        work = [(nodes[i], positions, [pack_exists(k) for k in safe])
-                for i, (positions, safe) in groups.items()]
-        outcomes = await _concurrently([_attempt(node.reads.execute(requests))
-                                        for node, _, requests in work])
-        for (node, positions, _), outcome in zip(work, outcomes):
-            if isinstance(outcome, StoreError):
-                raise outcome
-            for position, reply in zip(positions, outcome):
-                if isinstance(reply, ErrorReply):
-                    raise StoreError(f"memcached {node.name} answered mg with {reply}")
-                found[position] = not _line(reply).startswith(b"EN")
-        return found
+        lines = await self._meta_lines(keys, pack_exists)
+        return [line is not None for line in lines]
 
     async def sizes_many(self, keys: Sequence[bytes]) -> list[int | None]:
         """``mg key s`` per key (the size; no value transferred), servers concurrently."""
-        sizes: list[int | None] = [None] * len(keys)
+        lines = await self._meta_lines(keys, pack_size)
+        return [None if line is None else meta_size(line) or None for line in lines]
+
+    async def _meta_lines(self, keys: Sequence[bytes],
+                          pack: Callable[[bytes], Request]) -> list[bytes | None]:
+        """One meta request per key (``pack(key)``), each server's keys in one pipeline,
+        servers concurrently: each key's reply line, None where the key is absent."""
+        lines: list[bytes | None] = [None] * len(keys)
         if not keys:
-            return sizes
+            return lines
         nodes = self._state().nodes
-        work = [(nodes[i], positions, [pack_size(k) for k in safe])
+        work = [(nodes[i], positions, [pack(k) for k in safe])
                 for i, (positions, safe) in self._per_node(keys).items()]
         outcomes = await _concurrently([_attempt(node.reads.execute(requests))
                                         for node, _, requests in work])
@@ -367,8 +367,10 @@ class MemcachedClient(BaseClient[_MemcachedState]):
             for position, reply in zip(positions, outcome):
                 if isinstance(reply, ErrorReply):
                     raise StoreError(f"memcached {node.name} answered mg with {reply}")
-                sizes[position] = meta_size(_line(reply)) or None
-        return sizes
+                line = _line(reply)
+                if not line.startswith(b"EN"):
+                    lines[position] = line
+        return lines
 
     async def add_many(self, entries: Mapping[bytes, bytes], ttl: float) -> list[bool]:
         """memcached ``add`` per key, expiring by `_exptime()` (a lease that ended

@@ -10,7 +10,7 @@ import asyncio
 import concurrent.futures
 import logging
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from redis.asyncio.cluster import ClusterNode as StartupNode
 from redis.asyncio.cluster import RedisCluster
@@ -30,8 +30,8 @@ from ..credentials import Credential
 from ..loop import get_loop_thread
 from ..protocol.resp import PING, is_error, pack_delete, pack_set, pack_set_if_absent
 from ..transport.tls import TlsSettings
-from .admin import node_info, pack_exists, pack_strlen, scan_node
-from .cluster_calls import Add, Delete, Exists, Read, Sizes, Write
+from .admin import node_info, pack_exists, pack_strlen, scan_node, size_of
+from .cluster_calls import Delete, PerKey, Read, Write, added, exists
 from .cluster_consumer import ConsumerRoutes
 from .cluster_map import (
     REDIRECT_REFRESH_INTERVAL,
@@ -45,6 +45,7 @@ from .cluster_slots import Command, SlotView, Target, key_slots
 __all__ = ["RedisClusterClient"]
 
 logger = logging.getLogger("asynccache")
+T = TypeVar("T")
 
 class RedisClusterClient(BaseClient[ClusterMap]):
     """Client for a Redis Cluster given one or more startup nodes."""
@@ -260,14 +261,22 @@ class RedisClusterClient(BaseClient[ClusterMap]):
                                  f"{reply[0]}")
 
     async def add_many(self, entries: Mapping[bytes, bytes], ttl: float) -> list[bool]:
-        items = list(entries.items())
-        call = Add(await self._ready(), len(items))
         ttl_ms = max(1, int(ttl * 1000))
-        await call.run([Command(key_slot(key), [i], pack_set_if_absent(key, value, ttl_ms))
-                        for i, (key, value) in enumerate(items)])
+        return await self._per_key([pack_set_if_absent(key, value, ttl_ms)
+                                    for key, value in entries.items()], list(entries),
+                                   False, added)
+
+    async def _per_key(self, commands: list[list[Any]], keys: Sequence[bytes],
+                       unanswered: T, parse: Callable[[Any, str], T]) -> list[T]:
+        """``commands[i]`` for ``keys[i]``, pipelined per owning node, nodes
+        concurrently: ``parse(reply, where)`` of each key's reply."""
+        call = PerKey(await self._ready(), len(keys), unanswered, parse)
+        if keys:
+            await call.run([Command(key_slot(key), [i], command)
+                            for i, (key, command) in enumerate(zip(keys, commands))])
         for error in call.failures.values():
             raise error
-        return call.added
+        return call.results
 
     # -- administration -------------------------------------------------------------------
     async def _primaries_now(self) -> tuple[ClusterMap, list[Target]]:
@@ -293,20 +302,8 @@ class RedisClusterClient(BaseClient[ClusterMap]):
 
     async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         """``EXISTS`` per key, pipelined per owning node, nodes concurrently."""
-        call = Exists(await self._ready(), len(keys))
-        if keys:
-            await call.run([Command(key_slot(key), [i], [pack_exists(key)])
-                            for i, key in enumerate(keys)])
-        for error in call.failures.values():
-            raise error
-        return call.found
+        return await self._per_key([[pack_exists(k)] for k in keys], keys, False, exists)
 
     async def sizes_many(self, keys: Sequence[bytes]) -> list[int | None]:
         """``STRLEN`` per key, pipelined per owning node, nodes concurrently."""
-        call = Sizes(await self._ready(), len(keys))
-        if keys:
-            await call.run([Command(key_slot(key), [i], [pack_strlen(key)])
-                            for i, key in enumerate(keys)])
-        for error in call.failures.values():
-            raise error
-        return call.sizes
+        return await self._per_key([[pack_strlen(k)] for k in keys], keys, None, size_of)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, Generic, TypeVar
 
 import hiredis
 import redis.exceptions as rexc
@@ -23,12 +23,13 @@ from ..protocol.resp import (
     pack_gets,
     pack_mget,
 )
-from .admin import size_of
 from .cluster_map import ClusterMap
 from .cluster_slots import Command, Target, key_slots
 from .connection import Request, RespConnection
 
-__all__ = ["Add", "Delete", "Exists", "Read", "Sizes", "Write"]
+T = TypeVar("T")
+
+__all__ = ["Delete", "PerKey", "Read", "Write", "added", "exists"]
 
 _ASKING = pack_command(b"ASKING")
 _ReplyError = hiredis.ReplyError
@@ -328,21 +329,6 @@ class Write(_Call):
             explain_rejection(reply, f"cluster node {node}", size))
 
 
-class Add(_Call):
-    """``SET NX PX`` per key: which keys were absent (and are now set)."""
-
-    def __init__(self, cmap: ClusterMap, n: int) -> None:
-        super().__init__(cmap, ())
-        self.added = [False] * n
-
-    def on_reply(self, node: NodeName, command: Command, reply: Any) -> None:
-        if is_error(reply):
-            self.fail(node, StoreError(f"redis cluster node {node} refused SET NX: {reply}"),
-                      [command])
-            return
-        self.added[command.positions[0]] = reply is not None
-
-
 class Delete(_Call):
     def on_reply(self, node: NodeName, command: Command, reply: Any) -> None:
         if is_error(reply):
@@ -350,30 +336,33 @@ class Delete(_Call):
                       [command])
 
 
-class Exists(_Call):
-    """``EXISTS`` per key: which keys the cluster holds."""
+class PerKey(_Call, Generic[T]):
+    """One command per key, each answering one thing about its key: ``parse(reply,
+    where)`` of each reply lands at the key's position of `results` (a `StoreError`
+    from ``parse`` fails the node's keys, as a refused command does)."""
 
-    def __init__(self, cmap: ClusterMap, n: int) -> None:
+    def __init__(self, cmap: ClusterMap, n: int, unanswered: T,
+                 parse: Callable[[Any, str], T]) -> None:
         super().__init__(cmap, ())
-        self.found = [False] * n
-
-    def on_reply(self, node: NodeName, command: Command, reply: Any) -> None:
-        if is_error(reply):
-            self.fail(node, StoreError(f"redis cluster node {node} refused EXISTS: {reply}"),
-                      [command])
-            return
-        self.found[command.positions[0]] = reply == 1
-
-
-class Sizes(_Call):
-    """``STRLEN`` per key: the sizes of the values the cluster holds."""
-
-    def __init__(self, cmap: ClusterMap, n: int) -> None:
-        super().__init__(cmap, ())
-        self.sizes: list[int | None] = [None] * n
+        self.results: list[T] = [unanswered] * n
+        self.parse = parse
 
     def on_reply(self, node: NodeName, command: Command, reply: Any) -> None:
         try:
-            self.sizes[command.positions[0]] = size_of(reply, f"cluster node {node}")
+            self.results[command.positions[0]] = self.parse(reply, f"cluster node {node}")
         except StoreError as exc:
             self.fail(node, exc, [command])
+
+
+def added(reply: Any, where: str) -> bool:
+    """``SET NX PX``: whether the key was absent (and is now set)."""
+    if is_error(reply):
+        raise StoreError(f"redis {where} refused SET NX: {reply}")
+    return reply is not None
+
+
+def exists(reply: Any, where: str) -> bool:
+    """``EXISTS``: whether the key is there."""
+    if is_error(reply):
+        raise StoreError(f"redis {where} refused EXISTS: {reply}")
+    return bool(reply == 1)
