@@ -23,21 +23,17 @@ from ...errors import (
     ConfigError,
     DecodeError,
     EncodeError,
-    FormatMismatch,
     MissingDependency,
     SignatureError,
     ValueTooLarge,
 )
 from .compression import (
-    BITS_KIND,
     COMPRESSIONS,
     KIND_BITS,
     compress,
-    decompress,
     resolve_compression,
 )
 from .format import (
-    COMP_MASK,
     F_MAC,
     F_MANIFEST,
     F_NOCHECK,
@@ -60,15 +56,14 @@ from .format import (
     VERSION,
     XXH_TAG,
     accepted_flags,
-    check_flags,
 )
+from .general import SLICE_MAX, DecodeRules, decode_general, plain_module
 from .mac import ENV_SECRET, MAKE_SECRET, Secret, Signer, mac_prefix, secret_list
 from .manifest import (
     MANIFEST,
     MAX_MANIFEST_BLOB,
     MIN_CHUNK_SIZE,
     ChunkManifest,
-    decode_manifest,
     join_chunks,
     split_chunks,
 )
@@ -96,26 +91,8 @@ __all__ = [
     "split_chunks",
 ]
 
-_SLICE_MAX = 2048  # decode copies payloads up to this size instead of making a memoryview
 _OOB_HOT_TYPES = (bytes, bytearray, memoryview)  # what readers hand decode()
 _MIN_VALUE_BYTES = 4096  # floor of max_value_bytes: the hot paths need no bound check
-
-
-_codec_plain: Any = None
-
-
-def _plain() -> Any:
-    """`asynccache.cache.codec.plain`, imported on first use (msgpack costs ~5 ms to import).
-
-    ImportError escapes: Codec(allow_pickle=False) turns it into MissingDependency, decode
-    into a DecodeError.
-    """
-    global _codec_plain
-    if _codec_plain is None:
-        from . import plain as codec_plain
-
-        _codec_plain = codec_plain
-    return _codec_plain
 
 
 def _rebuild_codec(kwargs: dict[str, Any]) -> Codec:
@@ -172,6 +149,7 @@ class Codec:
         "_hot_oob",
         "_hot_signed",
         "_kind",
+        "_rules",
         "_signer",
         "_tag_size",
         "allow_pickle",
@@ -229,7 +207,7 @@ class Codec:
         self._env: str | None = None  # the variable from_env() read the secrets from
         if not allow_pickle:
             try:
-                _plain()
+                plain_module()
             except ImportError as exc:
                 raise MissingDependency(
                     "Codec(allow_pickle=False) needs the msgpack package: pip install msgpack"
@@ -253,6 +231,9 @@ class Codec:
         signed = FIXED.pack(MAGIC, VERSION, F_MAC if allow_pickle else F_MAC | F_PLAIN)
         self._hot_signed = b"" if self._signer is None else signed
         self._accepted = accepted_flags(self.checksum, allow_pickle)
+        #: what the general decode checks values against
+        self._rules = DecodeRules(self._signer, self._accepted, self.checksum, allow_pickle,
+                                  max_value_bytes, self._tag_size)
         if self._kind is not None and compress_level is not None:
             try:  # fail now, not on the first large value
                 compress(self._kind, b"x", compress_level)
@@ -404,7 +385,7 @@ class Codec:
         if type(obj) is memoryview:  # bytes-like, but not picklable: stored (and read) as bytes
             obj = obj.tobytes()
         if not self.allow_pickle:
-            stream, raws = _plain().dumps(obj)
+            stream, raws = plain_module().dumps(obj)
             if not raws:
                 return self._finish(key, F_PLAIN, [stream], len(stream))
             return self._finish(key, F_PLAIN | F_OOB, *oob_parts(stream, raws))
@@ -475,10 +456,10 @@ class Codec:
             SignatureError: (a DecodeError, with a secret) a value none of its secrets
                 signed.
         """
-        if type(data) is bytes and len(data) <= _SLICE_MAX:
+        if type(data) is bytes and len(data) <= SLICE_MAX:
             # Hot path: a small cached value with flags 0, read from the store as bytes,
             # by a codec that unpickles unsigned values (self._hot is b"" otherwise).
-            # (max_value_bytes >= _MIN_VALUE_BYTES > _SLICE_MAX: no bound to check.)
+            # (max_value_bytes >= _MIN_VALUE_BYTES > SLICE_MAX: no bound to check.)
             try:
                 prefix, tag = HOT.unpack_from(data)
             except struct.error:
@@ -496,7 +477,7 @@ class Codec:
                 if not self._signer.verify([mac_input], data[FIXED.size : SIGNED_HEADER_SIZE]):
                     raise SignatureError(FORGED)
                 if not self.allow_pickle:
-                    return _plain().loads(payload)
+                    return plain_module().loads(payload)
             if payload is not None:
                 try:
                     return pickle.loads(payload)
@@ -545,7 +526,7 @@ class Codec:
         loads = pickle.loads
         nbytes = largest = 0
         for i, data in enumerate(blobs):
-            if type(data) is bytes and HEADER_SIZE <= (n := len(data)) <= _SLICE_MAX \
+            if type(data) is bytes and HEADER_SIZE <= (n := len(data)) <= SLICE_MAX \
                     and data.startswith(hot):
                 payload = data[HEADER_SIZE:]
                 if xxh(payload, xxh(keys[i], SEED0)) == tag_of(data, 4)[0]:
@@ -562,115 +543,10 @@ class Codec:
             rest.append(i)
         return rest, nbytes, largest
 
-    def _unverified(self, message: str) -> DecodeError:
-        """The error for bytes rejected before their tag was checked: with a secret, a
-        SignatureError (whoever wrote them did not hold it)."""
-        return DecodeError(message) if self._signer is None else SignatureError(message)
-
     def _decode(self, data: bytes | bytearray | memoryview, key: bytes,
                 owned: bool = False) -> object:
-        """Every case but the hot path; checks run in the order docs/formats.md lists."""
-        try:
-            magic, version, flags = FIXED.unpack_from(data)
-        except struct.error as exc:
-            raise self._unverified(
-                f"not an asynccache value: {_describe(data)} is shorter than the header"
-            ) from exc
-        except (TypeError, ValueError, BufferError) as exc:
-            raise DecodeError(
-                f"not an asynccache value: cannot read a {type(data).__name__} as bytes"
-            ) from exc
-        if magic != MAGIC:
-            raise self._unverified(
-                f"not an asynccache value (starts with {FIXED.pack(magic, version, flags)!r}): "
-                "the key holds foreign data"
-            )
-        if version != VERSION:
-            raise FormatMismatch(
-                f"value is in asynccache format version {version}, this asynccache reads "
-                f"version {VERSION} (written by a different asynccache release)"
-            )
-        view: Any
-        if type(data) is bytes:
-            size = len(data)
-            view = data if size <= _SLICE_MAX else memoryview(data)  # never copy a large one
-        else:
-            view = _byte_view(data)
-            size = len(view)
-        if size > self.max_value_bytes:
-            raise DecodeError(f"value is {size} bytes, over max_value_bytes={self.max_value_bytes}")
-        start = FIXED.size + self._tag_size
-        payload = view[start:]
-        signer = self._signer
-        if signer is not None:  # verify first: nothing of a forgery is looked at
-            if not flags & F_MAC:
-                raise SignatureError(
-                    "value is not signed: written by a Codec without a secret, or forged"
-                )
-            prefix = mac_prefix(key, bytes(view[: FIXED.size]))
-            if size < start or not signer.verify([prefix, payload], view[FIXED.size : start]):
-                raise SignatureError(FORGED)
-            if flags not in self._accepted:
-                check_flags(flags, self.checksum, self.allow_pickle)
-        else:
-            if flags & F_MAC:
-                raise DecodeError(
-                    "value is signed: written by a Codec with a secret (Codec(secret=...) or "
-                    "Codec.from_env()); this Codec has none, so it cannot verify it"
-                )
-            if flags not in self._accepted:
-                check_flags(flags, self.checksum, self.allow_pickle)
-            key_seed = xxh3_64_intdigest(key, FLAG_SEEDS[flags])
-            tag = key_seed if flags & F_NOCHECK else xxh3_64_intdigest(payload, key_seed)
-            if view[FIXED.size : start] != XXH_TAG.pack(tag):
-                raise DecodeError(MISMATCH)
-        # Out-of-band buffers as views of data: only memory of this value's own, as
-        # received (a decompressed payload is a fresh immutable bytes).
-        owned_at = start if owned and type(view) is memoryview and not view.readonly else None
-        if flags & COMP_MASK:
-            owned_at = None
-            kind = BITS_KIND[flags & COMP_MASK]
-            payload = memoryview(decompress(kind, payload, self.max_value_bytes - start))
-        if flags & F_MANIFEST:
-            return decode_manifest(payload, self.max_value_bytes)
-        if flags & F_PLAIN:
-            try:
-                plain = _plain()
-            except ImportError as exc:
-                raise DecodeError(
-                    "value is pickle-free but msgpack is not installed: pip install msgpack"
-                ) from exc
-            if flags & F_OOB:
-                return plain.loads(*split_oob(payload, owned_at))
-            return plain.loads(payload)
-        try:
-            if flags & F_OOB:
-                stream, buffers = split_oob(payload, owned_at)
-                return pickle.loads(stream, buffers=buffers)
-            return pickle.loads(payload)
-        except DecodeError:
-            raise
-        except Exception as exc:  # UnpicklingError, EOFError, ImportError, ...
-            if raised_in_signal_handler(exc):
-                raise  # an interrupt, not damage: the caller's, unchanged
-            raise unpickle_error(exc) from exc
-
-
-def _byte_view(data: bytes | bytearray | memoryview) -> memoryview:
-    mv = memoryview(data)
-    if mv.ndim != 1 or mv.itemsize != 1:
-        try:
-            mv = mv.cast("B")
-        except TypeError as exc:
-            raise DecodeError(f"cannot read a {mv.format!r} memoryview as bytes") from exc
-    return mv
-
-
-def _describe(data: object) -> str:
-    try:
-        return f"{len(memoryview(data))}-byte input"  # type: ignore[arg-type]
-    except TypeError:
-        return f"a {type(data).__name__}"
+        """Every case but the hot paths (`asynccache.cache.codec.general`)."""
+        return decode_general(self._rules, data, key, owned)
 
 
 DEFAULT_CODEC = Codec()
