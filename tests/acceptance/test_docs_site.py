@@ -165,6 +165,7 @@ def test_the_plots_of_the_performance_page_are_images(site: str, browser: Any) -
 
 
 def test_search_finds_set_order(site: str, browser: Any) -> None:
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
 
     browser.set_window_size(1280, 1000)
@@ -175,7 +176,10 @@ def test_search_finds_set_order(site: str, browser: Any) -> None:
     deadline = time.monotonic() + 30
     found: list[str] = []
     while not found and time.monotonic() < deadline:
-        found = [e.text for e in browser.find_elements(By.CSS_SELECTOR,
-                                                       ".md-search-result__item")]
+        try:
+            found = [e.text for e in browser.find_elements(By.CSS_SELECTOR,
+                                                           ".md-search-result__item")]
+        except StaleElementReferenceException:  # the results re-rendered as they were read
+            found = []
         time.sleep(0.1)
     assert found and any("set_order" in text for text in found), found

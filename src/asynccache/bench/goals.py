@@ -364,19 +364,24 @@ def _cluster(
     bar.describe(f"goals: cluster, +{CLUSTER_RTT * 1e3:g} ms")
     with ProxyProcess() as proxies:
         one_port = proxies.proxy_for(store)
-        nodes = [servers.RedisServer(servers.find_redis_binary("redis")[0], cluster=True)
-                 for _ in range(3)]
-        ports = []
-        for node in nodes:
-            assert node.port is not None
-            ports.append(proxies.proxy_to(node.host, node.port))
-            node.announce_port = ports[-1]
-        targets = [node.port for node in nodes]
-        cluster = servers.RedisCluster(nodes)
-        try:
+        for attempt in range(3):  # a node's free port may be taken before it binds it
+            nodes = [servers.RedisServer(servers.find_redis_binary("redis")[0], cluster=True)
+                     for _ in range(3)]
+            ports = []
+            for node in nodes:
+                assert node.port is not None
+                ports.append(proxies.proxy_to(node.host, node.port))
+                node.announce_port = ports[-1]
+            targets = [node.port for node in nodes]
+            cluster = servers.RedisCluster(nodes)
             cluster.start()
-            if [node.port for node in cluster.nodes] != targets:
-                raise BenchError("a cluster node lost its port to another process: run again")
+            if [node.port for node in cluster.nodes] == targets:
+                break
+            cluster.stop()
+            if attempt == 2:
+                raise BenchError("a cluster node lost its port to another process 3 times: "
+                                 "run again")
+        try:
             for port in [one_port, *ports]:
                 proxies.set_latency(port, CLUSTER_RTT)
             hosts = ",".join(f"127.0.0.1:{p}" for p in ports)
